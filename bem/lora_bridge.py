@@ -1,0 +1,119 @@
+"""The bridge to PEFT LoRA: with every code equal to one, BEM is LoRA with A = V^T and B = U."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+
+from .config import HierarchicalBEMConfig
+from .io_utils import atomic_save_safetensors, atomic_write_json
+from .modules.controller import GATE_INIT_BIAS
+
+if TYPE_CHECKING:
+    from .model import BEMModel
+
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
+
+
+def _read_peft_config(directory: Path) -> dict[str, Any]:
+    path = directory / PEFT_CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(f"no PEFT adapter in {directory}: {PEFT_CONFIG} is missing")
+    config = json.loads(path.read_text())
+    if config.get("peft_type") != "LORA":
+        raise ValueError(f"{path} describes a {config.get('peft_type')!r} adapter; only LORA can become a BEM")
+    for field, neutral in (("use_dora", False), ("rank_pattern", {}), ("alpha_pattern", {}),
+                           ("modules_to_save", None)):
+        if config.get(field) not in (neutral, None, [], {}):
+            raise ValueError(f"PEFT LoRA adapters with {field}={config[field]!r} cannot be represented by BEM")
+    return config
+
+
+def bem_from_peft_lora(base_model: nn.Module, directory: Path, enable_routing: bool = True,
+                       **overrides: Any) -> "BEMModel":
+    from safetensors.torch import load_file
+
+    from .model import create_hierarchical_bem
+
+    peft_config = _read_peft_config(directory)
+    weights_path = directory / PEFT_WEIGHTS
+    if not weights_path.is_file():
+        raise FileNotFoundError(
+            f"no {PEFT_WEIGHTS} in {directory}; BEM reads safetensors only (pickled .bin files are never loaded)"
+        )
+    tensors = load_file(str(weights_path))
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        match = _KEY.match(key)
+        if match is None:
+            raise ValueError(f"unexpected tensor '{key}' in {weights_path}: not a LoRA A or B weight")
+        pairs.setdefault(match["module"], {})[match["which"]] = value
+    incomplete = [m for m, p in pairs.items() if set(p) != {"A", "B"}]
+    if incomplete:
+        raise ValueError(f"LoRA weights in {weights_path} lack A or B for modules {incomplete[:5]}")
+
+    rank = int(peft_config["r"])
+    lora_alpha = float(peft_config.get("lora_alpha", rank))
+    # BEM's scaling is alpha / rank; rsLoRA's is lora_alpha / sqrt(rank)
+    alpha = lora_alpha * math.sqrt(rank) if peft_config.get("use_rslora") else lora_alpha
+    fields = {"rank": rank, "alpha": alpha, "dropout": float(peft_config.get("lora_dropout") or 0.0),
+              "target_modules": sorted(pairs), "enable_routing": enable_routing,
+              "base_model_name_or_path": peft_config.get("base_model_name_or_path")}
+    fields.update(overrides)
+    model = create_hierarchical_bem(base_model, HierarchicalBEMConfig(**fields))
+    with torch.no_grad():
+        for name, module in model.bem_modules():
+            lora_a, lora_b = pairs[name]["A"], pairs[name]["B"]
+            if lora_a.shape != (rank, module.in_features) or lora_b.shape != (module.out_features, rank):
+                raise ValueError(
+                    f"LoRA weights for '{name}' are A {tuple(lora_a.shape)}, B {tuple(lora_b.shape)}; this base model "
+                    f"needs A ({rank}, {module.in_features}) and B ({module.out_features}, {rank})"
+                )
+            module.bem_V.copy_(lora_a.t())
+            module.bem_U.copy_(lora_b)
+        if model.controller is not None and model.controller.gate is not None:
+            # neutral routing: the gate starts at sigmoid(bias) for every token; cancel it in the static codes
+            model.controller.static_codes.fill_(1.0 / torch.sigmoid(torch.tensor(GATE_INIT_BIAS)).item())
+    return model
+
+
+def save_as_peft_lora(model: "BEMModel", directory: Path) -> None:
+    if model.controller is not None:
+        raise ValueError(
+            "this BEM routes its codes per token, which a LoRA adapter cannot express; only a BEM with "
+            "enable_routing=False can be exported as PEFT LoRA"
+        )
+    config = model.bem_config
+    has_conv1d = any(type(m.base_layer).__name__ == "Conv1D" for _, m in model.bem_modules())
+    is_causal_lm = type(model.base_model).__name__.endswith("ForCausalLM") or \
+        type(model.base_model).__name__ == "GPT2LMHeadModel"
+    tensors = {}
+    for name, module in model.bem_modules():
+        tensors[f"base_model.model.{name}.lora_A.weight"] = module.bem_V.detach().t()
+        tensors[f"base_model.model.{name}.lora_B.weight"] = module.bem_U.detach()
+    peft_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM" if is_causal_lm else None,
+        "r": config.rank,
+        "lora_alpha": config.alpha,
+        "lora_dropout": config.dropout,
+        "target_modules": list(model.bem_module_names),
+        "fan_in_fan_out": has_conv1d,
+        "bias": "none",
+        "use_rslora": False,
+        "use_dora": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "base_model_name_or_path": config.base_model_name_or_path,
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    atomic_save_safetensors(directory / PEFT_WEIGHTS, tensors, metadata={"format": "pt"})
+    atomic_write_json(directory / PEFT_CONFIG, peft_config)

@@ -1,0 +1,234 @@
+"""`create_hierarchical_bem` and `BEMModel`: wrap a pretrained model's linears with BEM modules."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from pathlib import Path
+from typing import Any, Iterator, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from .config import HierarchicalBEMConfig
+from .modules.bem_linear import BEMLinear, RoutingContext, linear_features
+from .modules.controller import HierarchicalController
+from .routing_hooks import RoutingHooks
+from .targets import plan_targets
+
+
+def _hidden_size(model: nn.Module) -> int:
+    config = getattr(model, "config", None)
+    for attr in ("hidden_size", "n_embd", "d_model", "dim"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int):
+            return value
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embeddings is not None and hasattr(embeddings, "weight"):
+        return embeddings.weight.shape[1]
+    raise ValueError("could not tell the model's hidden size (no config.hidden_size and no input embeddings)")
+
+
+def _first_block(model: nn.Module, target_names: list[str]) -> nn.Module:
+    """The block the embeddings enter: index 0 of the ModuleList that holds the first wrapped layer."""
+    first = target_names[0]
+    match = re.match(r"^(.*?)\.(\d+)\.", first + ".")
+    if match is None:
+        raise ValueError(
+            f"BEM routes from the hidden states entering the first block, but '{first}' is not inside a list "
+            f"of blocks (expected a name like 'model.layers.0.mlp.up_proj')"
+        )
+    blocks = model.get_submodule(match.group(1))
+    if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
+        raise ValueError(f"'{match.group(1)}' is not a list of blocks; cannot find where routing reads from")
+    return blocks[0]
+
+
+class BEMModel(nn.Module):
+    """A Hugging Face model whose target linears carry BEM modules, plus one routing controller.
+
+    Call it like the base model; attributes the wrapper lacks are read from the base model.
+    """
+
+    def __init__(self, base_model: nn.Module, config: HierarchicalBEMConfig) -> None:
+        super().__init__()
+        self.base_model = base_model
+        self.bem_config = config
+        plan = plan_targets(base_model, config)
+        self.context = RoutingContext()
+        for param in base_model.parameters():
+            param.requires_grad_(False)
+        self.bem_module_names: list[str] = plan.names
+        for index, name in enumerate(plan.names):
+            parent_name, _, child = name.rpartition(".")
+            parent = base_model.get_submodule(parent_name) if parent_name else base_model
+            original = getattr(parent, child)
+            setattr(parent, child, BEMLinear(original, config.rank, config.alpha, config.dropout, index, self.context,
+                                             config.use_fused_kernels, name=name))
+        if config.enable_routing:
+            token_indices = [plan.names.index(n) for n in plan.token_routed]
+            reference_weight = self.bem_modules()[0][1].base_layer.weight
+            self.controller: Optional[HierarchicalController] = HierarchicalController(
+                hidden_size=_hidden_size(base_model), num_modules=len(plan.names), rank=config.rank,
+                token_module_indices=token_indices, controller_dim=config.controller_dim,
+                chunk_size=config.chunk_size, max_prefix_tokens=config.max_prefix_tokens,
+                ema_decay=config.ema_decay, code_clamp_value=config.code_clamp_value,
+                enable_uncertainty=config.enable_uncertainty, enable_token_routing=config.enable_token_routing,
+                side_signal_dim=config.side_signal_dim,
+            ).to(device=reference_weight.device)
+        else:
+            self.controller = None
+        self.token_routed_names: list[str] = plan.token_routed
+        self._hooks = RoutingHooks(base_model, _first_block(base_model, plan.names), self.controller, self.context)
+
+    # ------------------------------------------------------------------ calling
+    def forward(self, *args: Any, side_signals: Optional[torch.Tensor] = None, **kwargs: Any) -> Any:
+        self._hooks.pending_side_signals = side_signals
+        try:
+            return self.base_model(*args, **kwargs)
+        finally:
+            self._hooks.pending_side_signals = None
+
+    def generate(self, *args: Any, side_signals: Optional[torch.Tensor] = None, **kwargs: Any) -> Any:
+        """`base_model.generate` with BEM active; the routing state rides along with the KV cache."""
+        if side_signals is not None:
+            beams = int(kwargs.get("num_beams", 1)) * int(kwargs.get("num_return_sequences", 1) or 1)
+            side_signals = side_signals.repeat_interleave(max(beams, 1), 0) if beams > 1 else side_signals
+        self._hooks.pending_side_signals = side_signals
+        try:
+            return self.base_model.generate(*args, **kwargs)
+        finally:
+            self._hooks.pending_side_signals = None
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "base_model":
+                raise
+            return getattr(self.base_model, name)
+
+    @contextlib.contextmanager
+    def disable_bem(self) -> Iterator[None]:
+        """Run the exact base model inside the block (no controller, no update)."""
+        previous = self.context.enabled
+        self.context.enabled = False
+        try:
+            yield
+        finally:
+            self.context.enabled = previous
+
+    # ------------------------------------------------------------------ parameters
+    def bem_modules(self) -> list[tuple[str, BEMLinear]]:
+        return [(name, self.base_model.get_submodule(name)) for name in self.bem_module_names]
+
+    def bem_state_dict(self) -> dict[str, torch.Tensor]:
+        """Adapter weights only: `modules.<name>.V|U` and `controller.<param>`."""
+        state: dict[str, torch.Tensor] = {}
+        for name, module in self.bem_modules():
+            state[f"modules.{name}.V"] = module.bem_V.detach()
+            state[f"modules.{name}.U"] = module.bem_U.detach()
+        if self.controller is not None:
+            for key, value in self.controller.state_dict().items():
+                state[f"controller.{key}"] = value.detach()
+        return state
+
+    def load_bem_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load adapter weights, checking every name and shape first; nothing is changed on error."""
+        expected = self.bem_state_dict()
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
+        if missing or unexpected:
+            raise ValueError(
+                f"adapter weights do not fit this model: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+            )
+        for key, value in state.items():
+            if tuple(value.shape) != tuple(expected[key].shape):
+                module = key.rsplit(".", 1)[0]
+                raise ValueError(
+                    f"adapter weight '{key}' has shape {tuple(value.shape)} but module '{module}' of this base "
+                    f"model needs {tuple(expected[key].shape)}; was the adapter trained on another base model?"
+                )
+        with torch.no_grad():
+            for name, module in self.bem_modules():
+                module.bem_V.copy_(state[f"modules.{name}.V"])
+                module.bem_U.copy_(state[f"modules.{name}.U"])
+            if self.controller is not None:
+                self.controller.load_state_dict(
+                    {k[len("controller."):]: v for k, v in state.items() if k.startswith("controller.")}
+                )
+
+    def get_nb_trainable_parameters(self) -> tuple[int, int]:
+        trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in self.parameters())
+        return trainable, total
+
+    def print_trainable_parameters(self) -> None:
+        trainable, total = self.get_nb_trainable_parameters()
+        print(f"trainable params: {trainable:,d} || all params: {total:,d} || "
+              f"trainable%: {100 * trainable / max(total, 1):.4f}")
+
+    # ------------------------------------------------------------------ diagnostics
+    def routing_stats(self) -> dict[str, Any]:
+        """Statistics of the last forward's codes: per module norms and level contributions, gate mean."""
+        from .stats import routing_stats
+
+        return routing_stats(self)
+
+    # ------------------------------------------------------------------ persistence
+    def save_pretrained(self, save_directory: Union[str, Path], **_: Any) -> None:
+        from .persistence import save_adapter
+
+        save_adapter(self, Path(save_directory))
+
+    @classmethod
+    def from_pretrained(cls, base_model: nn.Module, adapter_directory: Union[str, Path],
+                        is_trainable: bool = False, **config_overrides: Any) -> "BEMModel":
+        from .persistence import load_adapter
+
+        return load_adapter(base_model, Path(adapter_directory), is_trainable=is_trainable, **config_overrides)
+
+    @classmethod
+    def from_peft_lora(cls, base_model: nn.Module, lora_directory: Union[str, Path],
+                       enable_routing: bool = True, **config_overrides: Any) -> "BEMModel":
+        """A BEM whose update equals a saved PEFT LoRA adapter's (A -> V^T, B -> U), routing neutral."""
+        from .lora_bridge import bem_from_peft_lora
+
+        return bem_from_peft_lora(base_model, Path(lora_directory), enable_routing=enable_routing, **config_overrides)
+
+    def save_as_peft_lora(self, save_directory: Union[str, Path]) -> None:
+        """Write a PEFT LoRA adapter (routing must be off) that `PeftModel.from_pretrained` loads."""
+        from .lora_bridge import save_as_peft_lora
+
+        save_as_peft_lora(self, Path(save_directory))
+
+    def unload(self) -> nn.Module:
+        """Remove every BEM module and hook and give back the bare base model."""
+        self._hooks.remove()
+        for name, module in self.bem_modules():
+            parent_name, _, child = name.rpartition(".")
+            parent = self.base_model.get_submodule(parent_name) if parent_name else self.base_model
+            setattr(parent, child, module.base_layer)
+        return self.base_model
+
+
+def create_hierarchical_bem(model: nn.Module, config: Optional[HierarchicalBEMConfig] = None) -> BEMModel:
+    """Wrap `model` in place with BEM modules; the base weights are frozen, BEM's are trainable."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"create_hierarchical_bem expects a torch nn.Module, got {type(model).__name__}")
+    if isinstance(model, BEMModel):
+        raise ValueError("this model is already wrapped with BEM")
+    if any(isinstance(m, BEMLinear) for m in model.modules()):
+        raise ValueError("this model already contains BEM modules")
+    config = config or HierarchicalBEMConfig()
+    if not isinstance(config, HierarchicalBEMConfig):
+        raise TypeError(f"config must be a HierarchicalBEMConfig, got {type(config).__name__}")
+    if config.base_model_name_or_path is None:
+        name = getattr(getattr(model, "config", None), "_name_or_path", None)
+        if name:
+            config.base_model_name_or_path = str(name)
+    return BEMModel(model, config)
+
+
+__all__ = ["BEMModel", "create_hierarchical_bem", "linear_features"]

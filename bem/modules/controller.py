@@ -1,0 +1,280 @@
+"""`HierarchicalController`: per-module, per-token codes from prefix, chunk and token context.
+
+    c_{m,t} = g_t * ( c^static_m + clamp_τ( c^prefix_{m,t} + c^chunk_{m,t} + c^token_{m,t} ) )
+
+The controller reads the hidden states entering the first block, projected to `controller_dim`
+(z_t). Positions count from each row's first non-padding token. Every level is causal:
+
+- prefix: p_t = mean(z_0 .. z_min(t, P-1)), padding excluded;
+- chunk: token t in chunk k = t // C reads e_k, where e_0 = 0 and
+  e_k = β e_{k-1} + (1-β) f(mean of chunk k-1, p_{kC-1}) — only strictly earlier chunks;
+- token: f_tok(z_t, p_t), for token-routed modules only;
+- gate: g_t = sigmoid(w·[z_t, p_t] + b) / temperature-scaled, or 1 when disabled.
+
+Two equivalent ways to run it: `forward` over whole sequences (vectorised), and `step` over new
+tokens given a `RoutingState` (prefix sum and count, chunk EMA, open-chunk sum), which is what
+makes cached generation give the same codes as a full forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# Gate bias at init: sigmoid(4) ≈ 0.982, so the gate starts close to one (DESIGN §2).
+GATE_INIT_BIAS = 4.0
+
+
+@dataclass
+class RoutingState:
+    """Per-row routing state after `count` real tokens; every tensor's first dim is the batch."""
+
+    count: torch.Tensor  # (B,) long: real tokens seen
+    prefix_sum: torch.Tensor  # (B, d): sum of z over the first min(count, P) real tokens
+    chunk_ema: torch.Tensor  # (B, d): e_k for k = count // C, the chunk the next token falls in
+    open_sum: torch.Tensor  # (B, d): sum of z over the tokens already in chunk count // C
+    side: Optional[torch.Tensor]  # (B, d) projected side signal, or None
+    seen_tokens: int  # positions processed including padding (must match the KV cache length)
+
+    def index_select(self, index: torch.Tensor) -> "RoutingState":
+        """Rows reordered or selected (beam search)."""
+        values = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            values[f.name] = value.index_select(0, index.to(value.device)) if torch.is_tensor(value) else value
+        return RoutingState(**values)
+
+    def repeat_interleave(self, repeats: int) -> "RoutingState":
+        values = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            values[f.name] = value.repeat_interleave(repeats, 0) if torch.is_tensor(value) else value
+        return RoutingState(**values)
+
+    @property
+    def batch_size(self) -> int:
+        return self.count.shape[0]
+
+
+@dataclass
+class RoutingOutput:
+    codes: torch.Tensor  # (M, B, T, r) in the requested dtype
+    state: Optional[RoutingState]
+    levels: dict  # raw level contributions and gate, detached, for routing_stats()
+
+
+def _head(in_dim: int, hidden: int, out_dim: int) -> nn.Sequential:
+    head = nn.Sequential(nn.Linear(in_dim, hidden), nn.GELU(), nn.Linear(hidden, out_dim))
+    nn.init.zeros_(head[-1].weight)  # routing heads start at zero: the code starts at g_t * 1
+    nn.init.zeros_(head[-1].bias)
+    return head
+
+
+class HierarchicalController(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_modules: int,
+        rank: int,
+        token_module_indices: list[int],
+        controller_dim: int = 64,
+        chunk_size: int = 32,
+        max_prefix_tokens: int = 128,
+        ema_decay: float = 0.9,
+        code_clamp_value: float = 3.0,
+        enable_uncertainty: bool = True,
+        enable_token_routing: bool = True,
+        side_signal_dim: Optional[int] = None,
+    ) -> None:
+        super().__init__()
+        self.hidden_size, self.num_modules, self.rank = hidden_size, num_modules, rank
+        self.chunk_size, self.max_prefix_tokens = chunk_size, max_prefix_tokens
+        self.ema_decay, self.code_clamp_value = ema_decay, code_clamp_value
+        self.side_signal_dim = side_signal_dim
+        d = controller_dim
+        self.input_norm = nn.LayerNorm(hidden_size)
+        self.input_proj = nn.Linear(hidden_size, d)
+        self.static_codes = nn.Parameter(torch.ones(num_modules, rank))
+        self.prefix_head = _head(d, d, num_modules * rank)
+        self.chunk_summary = nn.Sequential(nn.Linear(2 * d, d), nn.Tanh())
+        self.chunk_head = _head(d, d, num_modules * rank)
+        self.side_proj = nn.Linear(side_signal_dim, d) if side_signal_dim else None
+        token_indices = sorted(set(token_module_indices)) if enable_token_routing else []
+        self.register_buffer("token_module_indices", torch.tensor(token_indices, dtype=torch.long), persistent=False)
+        self.token_head = _head(2 * d, d, len(token_indices) * rank) if token_indices else None
+        if enable_uncertainty:
+            self.gate = nn.Linear(2 * d, 1)
+            nn.init.zeros_(self.gate.weight)
+            nn.init.constant_(self.gate.bias, GATE_INIT_BIAS)
+            self.gate_log_temperature = nn.Parameter(torch.zeros(()))
+        else:
+            self.gate = None
+
+    # ------------------------------------------------------------------ shared pieces
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        params_dtype = self.input_proj.weight.dtype
+        return self.input_proj(self.input_norm(hidden.to(params_dtype)))
+
+    def project_side(self, side_signals: Optional[torch.Tensor], batch: int) -> Optional[torch.Tensor]:
+        if self.side_proj is None:
+            if side_signals is not None:
+                raise ValueError("side_signals were given but the BEM config has side_signal_dim = null")
+            return None
+        if side_signals is None:
+            raise ValueError(f"this BEM expects side_signals of shape (batch, {self.side_signal_dim})")
+        if side_signals.dim() != 2 or side_signals.shape != (batch, self.side_signal_dim):
+            raise ValueError(
+                f"side_signals must have shape ({batch}, {self.side_signal_dim}), got {tuple(side_signals.shape)}"
+            )
+        return self.side_proj(side_signals.to(self.side_proj.weight.dtype))
+
+    def _codes(self, z: torch.Tensor, p: torch.Tensor, chunk_ctx: torch.Tensor, out_dtype: torch.dtype):
+        """Combine the levels for tokens with features z, prefix p and chunk context (all (B, T, d))."""
+        B, T, _ = z.shape
+        M, r = self.num_modules, self.rank
+        prefix = self.prefix_head(p).view(B, T, M, r)
+        chunk = self.chunk_head(chunk_ctx).view(B, T, M, r)
+        dynamic = prefix + chunk
+        zp = torch.cat([z, p], dim=-1)
+        token = None
+        if self.token_head is not None:
+            token = self.token_head(zp).view(B, T, -1, r)
+            dynamic = dynamic.index_add(2, self.token_module_indices, token)
+        # clamp_τ(v) = v * min(1, τ / ||v||), written so that ||v|| = 0 gives a scale of exactly 1
+        norm = torch.linalg.vector_norm(dynamic, dim=-1, keepdim=True)
+        tau = self.code_clamp_value
+        clamped = dynamic * (tau / torch.clamp(norm, min=tau))
+        codes = self.static_codes + clamped
+        if self.gate is not None:
+            temperature = self.gate_log_temperature.exp()
+            gate = torch.sigmoid(self.gate(zp) / temperature)
+            codes = codes * gate.unsqueeze(-1)
+        else:
+            gate = None
+        levels = {"prefix": prefix.detach(), "chunk": chunk.detach(), "dynamic": clamped.detach(),
+                  "token": None if token is None else token.detach(),
+                  "gate": None if gate is None else gate.detach(), "codes": codes.detach()}
+        return codes.permute(2, 0, 1, 3).to(out_dtype).contiguous(), levels
+
+    # ------------------------------------------------------------------ whole sequences
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        side_signals: Optional[torch.Tensor] = None,
+        out_dtype: Optional[torch.dtype] = None,
+        return_state: bool = False,
+    ) -> RoutingOutput:
+        """Codes for whole sequences starting at position 0. hidden: (B, T, H), mask: (B, T)."""
+        B, T, _ = hidden.shape
+        out_dtype = out_dtype or hidden.dtype
+        z = self.project(hidden)
+        mask = self._mask(attention_mask, B, T, z)
+        C, P = self.chunk_size, self.max_prefix_tokens
+        pos = (mask.cumsum(1) - 1).clamp(min=0).long()  # position from the first real token
+
+        in_prefix = mask * (pos < P).to(mask.dtype)
+        prefix_sum = (z * in_prefix.unsqueeze(-1)).cumsum(1)
+        prefix_count = in_prefix.cumsum(1)
+        p = prefix_sum / prefix_count.clamp(min=1).unsqueeze(-1)
+
+        # chunk sums over real tokens; padding goes to an extra slot that is dropped
+        num_chunks = T // C + 1
+        chunk_index = torch.where(mask > 0, pos // C, torch.full_like(pos, num_chunks))
+        index_d = chunk_index.unsqueeze(-1).expand_as(z)
+        chunk_sum = z.new_zeros(B, num_chunks + 1, z.shape[-1]).scatter_add(1, index_d, z * mask.unsqueeze(-1))
+        chunk_count = mask.new_zeros(B, num_chunks + 1).scatter_add(1, chunk_index, mask)
+        chunk_mean = chunk_sum / chunk_count.clamp(min=1).unsqueeze(-1)
+        # p at the last token of each chunk (only complete chunks are ever read)
+        is_last = mask * (pos % C == C - 1).to(mask.dtype)
+        chunk_end_p = z.new_zeros(B, num_chunks + 1, z.shape[-1]).scatter_add(1, index_d, p * is_last.unsqueeze(-1))
+        summaries = self.chunk_summary(torch.cat([chunk_mean, chunk_end_p], dim=-1))[:, :num_chunks]
+        ema = self._ema_over_chunks(summaries)  # (B, num_chunks, d): e_k for k = 0..num_chunks-1
+
+        side = self.project_side(side_signals, B)
+        chunk_ctx_per_chunk = ema if side is None else ema + side.unsqueeze(1)
+        chunk_ctx = torch.gather(chunk_ctx_per_chunk, 1, chunk_index.clamp(max=num_chunks - 1).unsqueeze(-1)
+                                 .expand(B, T, z.shape[-1]))
+        codes, levels = self._codes(z, p, chunk_ctx, out_dtype)
+
+        state = None
+        if return_state:
+            count = mask.sum(1).long()
+            open_chunk = (count // C).clamp(max=num_chunks - 1)
+            rows = torch.arange(B, device=z.device)
+            state = RoutingState(
+                count=count,
+                prefix_sum=prefix_sum[:, -1],
+                chunk_ema=ema[rows, open_chunk],
+                open_sum=chunk_sum[rows, open_chunk],
+                side=side,
+                seen_tokens=T,
+            )
+        return RoutingOutput(codes=codes, state=state, levels=levels)
+
+    def _ema_over_chunks(self, summaries: torch.Tensor) -> torch.Tensor:
+        """e_k = Σ_{j<k} (1-β) β^{k-1-j} f_j as one small matrix product over chunks."""
+        n = summaries.shape[1]
+        beta = self.ema_decay
+        k = torch.arange(n, device=summaries.device, dtype=summaries.dtype)
+        exponent = k.unsqueeze(1) - 1 - k.unsqueeze(0)  # k-1-j
+        weights = torch.where(exponent >= 0, (1 - beta) * beta ** exponent.clamp(min=0), torch.zeros_like(exponent))
+        return torch.einsum("kj,bjd->bkd", weights, summaries)
+
+    @staticmethod
+    def _mask(attention_mask: Optional[torch.Tensor], B: int, T: int, like: torch.Tensor) -> torch.Tensor:
+        if attention_mask is None:
+            return like.new_ones(B, T)
+        if attention_mask.shape != (B, T):
+            raise ValueError(
+                f"attention_mask for the new tokens must have shape ({B}, {T}), got {tuple(attention_mask.shape)}"
+            )
+        return (attention_mask != 0).to(like.dtype)
+
+    # ------------------------------------------------------------------ incremental (cached) decoding
+    def step(
+        self,
+        hidden: torch.Tensor,
+        state: RoutingState,
+        attention_mask: Optional[torch.Tensor] = None,
+        out_dtype: Optional[torch.dtype] = None,
+    ) -> RoutingOutput:
+        """Codes for T new tokens that follow `state`, token by token; returns the advanced state."""
+        B, T, _ = hidden.shape
+        if state.batch_size != B:
+            raise ValueError(f"routing state holds {state.batch_size} sequences but the input has {B}")
+        out_dtype = out_dtype or hidden.dtype
+        z = self.project(hidden)
+        mask = self._mask(attention_mask, B, T, z)
+        C, P, beta = self.chunk_size, self.max_prefix_tokens, self.ema_decay
+        count, prefix_sum = state.count.clone(), state.prefix_sum
+        chunk_ema, open_sum = state.chunk_ema, state.open_sum
+        all_p, all_ctx = [], []
+        for t in range(T):
+            real = mask[:, t]
+            z_t = z[:, t]
+            in_prefix = real * (count < P).to(real.dtype)
+            prefix_sum = prefix_sum + z_t * in_prefix.unsqueeze(-1)
+            prefix_count = torch.clamp(count + in_prefix.long(), max=P).to(z.dtype)
+            p_t = prefix_sum / prefix_count.clamp(min=1).unsqueeze(-1)
+            all_p.append(p_t)
+            all_ctx.append(chunk_ema if state.side is None else chunk_ema + state.side)
+            # advance: add the token to the open chunk; close the chunk when it is full
+            open_sum = open_sum + z_t * real.unsqueeze(-1)
+            count = count + real.long()
+            closes = (real > 0) & (count % C == 0)
+            if bool(closes.any()):
+                summary = self.chunk_summary(torch.cat([open_sum / C, p_t], dim=-1))
+                updated = beta * chunk_ema + (1 - beta) * summary
+                chunk_ema = torch.where(closes.unsqueeze(-1), updated, chunk_ema)
+                open_sum = torch.where(closes.unsqueeze(-1), torch.zeros_like(open_sum), open_sum)
+        p = torch.stack(all_p, dim=1)
+        chunk_ctx = torch.stack(all_ctx, dim=1)
+        codes, levels = self._codes(z, p, chunk_ctx, out_dtype)
+        new_state = RoutingState(count=count, prefix_sum=prefix_sum, chunk_ema=chunk_ema, open_sum=open_sum,
+                                 side=state.side, seen_tokens=state.seen_tokens + T)
+        return RoutingOutput(codes=codes, state=new_state, levels=levels)

@@ -1,0 +1,97 @@
+"""Adapter files: `adapter_config.json` + `adapter_model.safetensors`, written atomically, read without pickle."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch.nn as nn
+
+from .config import HierarchicalBEMConfig
+from .io_utils import atomic_save_safetensors, atomic_write_json
+
+if TYPE_CHECKING:
+    from .model import BEMModel
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+FORMAT = "bem"
+FORMAT_VERSION = 1
+
+
+def save_adapter(model: "BEMModel", directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    config = model.bem_config.to_dict()
+    # pin the exact set of wrapped modules so loading rebuilds the same adapter on any config defaults
+    config["target_modules"] = list(model.bem_module_names)
+    config["token_routing_modules"] = list(model.token_routed_names) or None
+    record = {"format": FORMAT, "format_version": FORMAT_VERSION, "bem_config": config,
+              "module_shapes": {name: [m.in_features, m.out_features] for name, m in model.bem_modules()}}
+    # weights first, then the config: a directory with a config always has matching weights
+    atomic_save_safetensors(directory / WEIGHTS_NAME, model.bem_state_dict(), metadata={"format": "pt"})
+    atomic_write_json(directory / CONFIG_NAME, record)
+
+
+def read_adapter_config(directory: Path) -> dict[str, Any]:
+    path = directory / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"no BEM adapter in {directory}: {CONFIG_NAME} is missing")
+    try:
+        record = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a BEM adapter config (a PEFT LoRA adapter? use BEMModel.from_peft_lora)")
+    if record.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path} has format_version {record.get('format_version')}, this BEM reads {FORMAT_VERSION}")
+    return record
+
+
+def load_adapter(base_model: nn.Module, directory: Path, is_trainable: bool = False, **overrides: Any) -> "BEMModel":
+    from safetensors.torch import load_file
+
+    from .model import create_hierarchical_bem
+
+    record = read_adapter_config(directory)
+    config_data = dict(record["bem_config"])
+    config_data.update(overrides)
+    config = HierarchicalBEMConfig.from_dict(config_data)
+    _check_base_shapes(base_model, record.get("module_shapes", {}), directory)
+    weights_path = directory / WEIGHTS_NAME
+    if not weights_path.is_file():
+        raise FileNotFoundError(f"no BEM adapter weights in {directory}: {WEIGHTS_NAME} is missing")
+    state = load_file(str(weights_path))  # safetensors: plain tensors, no unpickling
+    model = create_hierarchical_bem(base_model, config)
+    try:
+        model.load_bem_state_dict(state)
+    except ValueError:
+        model.unload()
+        raise
+    model.requires_grad_(False)
+    if is_trainable:
+        for name, param in model.named_parameters():
+            if ".bem_" in name or name.startswith("controller."):
+                param.requires_grad_(True)
+    else:
+        model.eval()
+    return model
+
+
+def _check_base_shapes(base_model: nn.Module, shapes: dict, directory: Path) -> None:
+    from .modules.bem_linear import linear_features
+
+    modules = dict(base_model.named_modules())
+    for name, (in_features, out_features) in shapes.items():
+        module = modules.get(name)
+        if module is None:
+            raise ValueError(f"the adapter in {directory} wraps module '{name}', which this base model does not have")
+        try:
+            actual = linear_features(module)
+        except TypeError:
+            raise ValueError(f"module '{name}' of this base model is a {type(module).__name__}, not a linear") from None
+        if actual != (in_features, out_features):
+            raise ValueError(
+                f"module '{name}' is {actual[0]} -> {actual[1]} in this base model but the adapter in {directory} "
+                f"was trained for {in_features} -> {out_features}"
+            )

@@ -1,0 +1,114 @@
+"""Which linears of a model BEM wraps: built-in attach points per architecture, or explicit names."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch.nn as nn
+from transformers.pytorch_utils import Conv1D
+
+from .config import HierarchicalBEMConfig
+
+# Attach points as regexes on a module's full name, one set per naming family.
+_LLAMA_LIKE = {
+    "mlp": r".*\.mlp\.(gate_proj|up_proj|down_proj)",
+    "attention": r".*\.self_attn\.o_proj",
+    "qkv": r".*\.self_attn\.(q_proj|k_proj|v_proj)",
+}
+_GPT2 = {
+    "mlp": r".*\.mlp\.(c_fc|c_proj)",
+    "attention": r".*\.attn\.c_proj",
+    "qkv": r".*\.attn\.c_attn",
+}
+_GPT_NEOX = {
+    "mlp": r".*\.mlp\.(dense_h_to_4h|dense_4h_to_h)",
+    "attention": r".*\.attention\.dense",
+    "qkv": r".*\.attention\.query_key_value",
+}
+_BERT = {
+    "mlp": r".*\.layer\.\d+\.(intermediate\.dense|output\.dense)",
+    "attention": r".*\.attention\.output\.dense",
+    "qkv": r".*\.attention\.self\.(query|key|value)",
+}
+_DISTILBERT = {
+    "mlp": r".*\.ffn\.(lin1|lin2)",
+    "attention": r".*\.attention\.out_lin",
+    "qkv": r".*\.attention\.(q_lin|k_lin|v_lin)",
+}
+
+ATTACH_POINTS: dict[str, dict[str, str]] = {
+    **{name: _LLAMA_LIKE for name in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "gemma", "gemma2", "phi3")},
+    "gpt2": _GPT2,
+    "gpt_neox": _GPT_NEOX,
+    **{name: _BERT for name in ("bert", "roberta", "xlm-roberta", "electra", "camembert")},
+    "distilbert": _DISTILBERT,
+}
+
+
+@dataclass
+class TargetPlan:
+    names: list[str]  # module names to wrap, in model order
+    token_routed: list[str]  # the subset whose codes get the token level
+
+
+def _is_wrappable(module: nn.Module) -> bool:
+    return isinstance(module, (nn.Linear, Conv1D))
+
+
+def _matches(name: str, selector: Union[list[str], str]) -> bool:
+    if isinstance(selector, str):
+        return re.fullmatch(selector, name) is not None
+    return any(name == key or name.endswith("." + key) for key in selector)
+
+
+def _model_type(model: nn.Module) -> Optional[str]:
+    config = getattr(model, "config", None)
+    return getattr(config, "model_type", None)
+
+
+def plan_targets(model: nn.Module, config: HierarchicalBEMConfig) -> TargetPlan:
+    """Names of the modules to wrap, or a ValueError that says why none match."""
+    model_type = _model_type(model)
+    attach = ATTACH_POINTS.get(model_type or "")
+    if config.target_modules is not None:
+        selector = config.target_modules
+    else:
+        if attach is None:
+            raise ValueError(
+                f"BEM has no built-in attach points for model_type '{model_type}'; "
+                f"set target_modules (module names or a regex). Known: {sorted(ATTACH_POINTS)}"
+            )
+        points = [p for p, on in (("mlp", config.attach_mlp), ("attention", config.attach_attention),
+                                  ("qkv", config.attach_qkv)) if on]
+        selector = "|".join(f"(?:{attach[p]})" for p in points)
+
+    names, rejected = [], []
+    for name, module in model.named_modules():
+        if not name or not _matches(name, selector):
+            continue
+        if _is_wrappable(module):
+            names.append(name)
+        elif isinstance(selector, list) or not list(module.children()):
+            rejected.append(f"{name} ({type(module).__name__})")
+    if rejected and isinstance(selector, list):
+        raise ValueError(
+            f"target_modules matched modules BEM cannot wrap (only nn.Linear and Conv1D): {rejected[:5]}"
+        )
+    if not names:
+        linears = [n for n, m in model.named_modules() if _is_wrappable(m)]
+        raise ValueError(
+            f"no module matched the BEM targets {selector!r} in this {type(model).__name__}; "
+            f"linear layers it has include: {linears[:8]}"
+        )
+
+    if not config.enable_routing or not config.enable_token_routing:
+        token_routed: list[str] = []
+    elif config.token_routing_modules is not None:
+        token_routed = [n for n in names if _matches(n, config.token_routing_modules)]
+    elif attach is not None:
+        token_routed = [n for n in names if re.fullmatch(attach["mlp"], n)]
+    else:
+        token_routed = []
+    return TargetPlan(names=names, token_routed=token_routed)
