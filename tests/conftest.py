@@ -87,3 +87,13 @@ def randomize_bem(model, seed: int = 0, scale: float = 0.3) -> None:
 def random_ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (batch, length), generator=generator)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` skip cleanly, with the reason shown, where CUDA is absent."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

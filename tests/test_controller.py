@@ -1,0 +1,118 @@
+"""The controller alone: causality of every level, step == whole-sequence, padding, clamp, gate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bem.modules.controller import HierarchicalController
+
+
+def make_controller(seed=0, **overrides) -> HierarchicalController:
+    torch.manual_seed(seed)
+    fields = dict(hidden_size=12, num_modules=3, rank=4, token_module_indices=[1], controller_dim=8,
+                  chunk_size=3, max_prefix_tokens=5, ema_decay=0.7, code_clamp_value=1.5)
+    fields.update(overrides)
+    controller = HierarchicalController(**fields)
+    with torch.no_grad():
+        for name, param in controller.named_parameters():
+            if param.dim() >= 1 and name != "static_codes":
+                param.normal_(std=0.5)
+    return controller.double()
+
+
+def test_codes_at_init_are_the_gate_times_ones():
+    controller = HierarchicalController(hidden_size=12, num_modules=3, rank=4, token_module_indices=[0, 2])
+    out = controller(torch.randn(2, 9, 12))
+    gate = torch.sigmoid(torch.tensor(4.0))
+    assert out.codes.shape == (3, 2, 9, 4)
+    assert torch.allclose(out.codes, torch.full_like(out.codes, gate.item()))
+
+
+def test_every_level_is_causal():
+    controller = make_controller()
+    hidden = torch.randn(2, 17, 12, dtype=torch.float64)
+    reference = controller(hidden).codes
+    for t in range(16):
+        changed = hidden.clone()
+        changed[:, t + 1 :] = torch.randn_like(changed[:, t + 1 :])
+        codes = controller(changed).codes
+        assert torch.equal(codes[:, :, : t + 1], reference[:, :, : t + 1]), t
+        assert not torch.allclose(codes[:, :, t + 1 :], reference[:, :, t + 1 :]), t
+
+
+@pytest.mark.parametrize("split", [1, 2, 3, 5, 6, 11])
+def test_incremental_steps_equal_the_whole_sequence(split):
+    controller = make_controller(seed=split)
+    hidden = torch.randn(2, 14, 12, dtype=torch.float64)
+    mask = torch.ones(2, 14)
+    mask[1, :4] = 0  # second row is left-padded
+    full = controller(hidden, mask).codes
+    first = controller(hidden[:, :split], mask[:, :split], return_state=True)
+    pieces, state = [first.codes], first.state
+    for t in range(split, 14):
+        out = controller.step(hidden[:, t : t + 1], state, mask[:, t : t + 1])
+        pieces.append(out.codes)
+        state = out.state
+    incremental = torch.cat(pieces, dim=2)
+    real = mask.bool()
+    assert torch.allclose(incremental[:, real], full[:, real], atol=1e-12)
+
+
+def test_padding_never_shifts_prefix_or_chunk_boundaries():
+    controller = make_controller(seed=3)
+    hidden = torch.randn(1, 10, 12, dtype=torch.float64)
+    alone = controller(hidden).codes
+    padded_hidden = torch.cat([torch.randn(1, 4, 12, dtype=torch.float64), hidden], dim=1)
+    mask = torch.cat([torch.zeros(1, 4), torch.ones(1, 10)], dim=1)
+    padded = controller(padded_hidden, mask).codes
+    assert torch.allclose(padded[:, :, 4:], alone, atol=1e-12)
+
+
+def test_rows_are_independent_no_state_crosses_the_batch():
+    controller = make_controller(seed=4)
+    hidden = torch.randn(3, 11, 12, dtype=torch.float64)
+    together = controller(hidden).codes
+    for row in range(3):
+        assert torch.allclose(controller(hidden[row : row + 1]).codes[:, 0], together[:, row], atol=1e-12)
+
+
+def test_prefix_level_is_constant_after_the_prefix_window():
+    controller = make_controller(seed=5, enable_token_routing=False, enable_uncertainty=False,
+                                 chunk_size=100, code_clamp_value=1e9)
+    hidden = torch.randn(1, 12, 12, dtype=torch.float64)
+    codes = controller(hidden).codes
+    # with one chunk (EMA = 0) and no token level, codes depend only on p_t, fixed for t >= P = 5
+    assert torch.allclose(codes[:, :, 5:], codes[:, :, 5:6].expand_as(codes[:, :, 5:]))
+    assert not torch.allclose(codes[:, :, 3], codes[:, :, 4])
+
+
+def test_clamp_bounds_the_dynamic_part():
+    controller = make_controller(seed=6, enable_uncertainty=False, code_clamp_value=0.25)
+    with torch.no_grad():
+        controller.prefix_head[-1].weight.mul_(50)
+    out = controller(torch.randn(2, 9, 12, dtype=torch.float64))
+    norms = torch.linalg.vector_norm(out.levels["dynamic"], dim=-1)
+    assert norms.max() <= 0.25 + 1e-9 and norms.max() > 0.2
+    static = controller.static_codes.detach()
+    assert torch.allclose(out.codes.permute(1, 2, 0, 3), static + out.levels["dynamic"])
+
+
+def test_gradients_are_finite_at_init_where_the_dynamic_part_is_zero():
+    controller = HierarchicalController(hidden_size=12, num_modules=2, rank=4, token_module_indices=[0])
+    out = controller(torch.randn(2, 7, 12))
+    (out.codes * torch.randn_like(out.codes)).sum().backward()
+    for name, param in controller.named_parameters():
+        assert param.grad is not None and torch.isfinite(param.grad).all(), name
+    assert controller.prefix_head[-1].weight.grad.abs().sum() > 0  # zero-init heads still learn
+
+
+def test_uncertainty_gate_has_a_learnable_temperature():
+    controller = make_controller(seed=7)
+    hidden = torch.randn(1, 6, 12, dtype=torch.float64)
+    before = controller(hidden).levels["gate"]
+    with torch.no_grad():
+        controller.gate_log_temperature.fill_(2.0)
+    after = controller(hidden).levels["gate"]
+    assert ((before - 0.5).abs() > (after - 0.5).abs()).all()  # hotter gate: closer to one half
+    assert make_controller(enable_uncertainty=False)(hidden.float().double()).levels["gate"] is None
