@@ -108,6 +108,24 @@ class BEMModel(nn.Module):
                 raise
             return getattr(self.base_model, name)
 
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: Optional[dict] = None, **kwargs: Any) -> None:
+        """Checkpoint the base model's blocks. Only the non-reentrant variant keeps the controller's
+        gradients: its codes feed every block, so a reentrant recompute would cut them off."""
+        options = dict(gradient_checkpointing_kwargs or {})
+        if options.get("use_reentrant", False):
+            raise ValueError(
+                "BEM needs non-reentrant activation checkpointing (use_reentrant=False): with use_reentrant=True "
+                "the routing controller would receive no gradient"
+            )
+        options["use_reentrant"] = False
+        enable = getattr(self.base_model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs=options, **kwargs)
+        else:
+            self.base_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options, **kwargs)
+
+    activation_checkpointing_enable = gradient_checkpointing_enable
+
     @contextlib.contextmanager
     def disable_bem(self) -> Iterator[None]:
         """Run the exact base model inside the block (no controller, no update)."""

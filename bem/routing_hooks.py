@@ -23,6 +23,10 @@ from .modules.controller import HierarchicalController, RoutingState
 STATE_ATTR = "_bem_routing_state"
 
 
+def _keep(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
 @dataclass
 class CallInfo:
     attention_mask: Optional[torch.Tensor]  # (B, T_new) or None
@@ -166,11 +170,15 @@ class RoutingHooks:
         if hidden is None or hidden.dim() != 3:
             raise ValueError("BEM could not read the hidden states entering the first block")
         dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), hidden.dtype)
-        if call.state is None:
-            out = self.controller(hidden, call.attention_mask, call.side_signals, out_dtype=dtype,
-                                  return_state=call.want_state)
-        else:
-            out = self.controller.step(hidden, call.state, call.attention_mask, out_dtype=dtype)
+        # Some transformers versions run block hooks inside an activation-checkpointed region. The
+        # controller runs once per call, so its saved tensors must stay out of that region's
+        # drop-and-recompute bookkeeping: keep them as they are.
+        with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+            if call.state is None:
+                out = self.controller(hidden, call.attention_mask, call.side_signals, out_dtype=dtype,
+                                      return_state=call.want_state)
+            else:
+                out = self.controller.step(hidden, call.state, call.attention_mask, out_dtype=dtype)
         self.context.codes = out.codes
         self.last_levels = out.levels
         call.new_state = out.state

@@ -201,6 +201,8 @@ def test_gradient_checkpointing_gives_the_same_gradients(load_base):
     for name in grads[0]:
         assert torch.allclose(grads[0][name], grads[1][name], atol=1e-6), name
     assert any(g.abs().sum() > 0 for n, g in grads[1].items() if n.startswith("controller."))
+    with pytest.raises(ValueError, match="non-reentrant"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
 
 
 def test_routing_stats_and_trainable_parameter_report(load_base, capsys):
