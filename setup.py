@@ -10,9 +10,9 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",
-        "transformers>=4.56",
-        "peft>=0.17",
-        "accelerate>=1.0",
+        "transformers>=5.0",
+        "peft>=0.20",
+        "accelerate>=1.10",
         "safetensors>=0.4",
         "pyyaml>=6.0",
         "tqdm>=4.60",
