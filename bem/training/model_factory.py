@@ -1,0 +1,49 @@
+"""Base model and tokenizer from the `model` section: a local pretrained model or a fresh preset."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+import torch.nn as nn
+
+from .presets import preset_config
+from .schema import ModelSection
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_tokenizer(section: ModelSection, saved_base: Optional[Path] = None):
+    """The configured tokenizer; for fresh models the byte-level one (or the copy saved with the run)."""
+    from transformers import AutoTokenizer
+
+    source = section.tokenizer or section.path or (str(saved_base) if saved_base and saved_base.is_dir() else None)
+    if source is None:
+        from .tokenizer import byte_level_tokenizer
+
+        tokenizer = byte_level_tokenizer()
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    if tokenizer.pad_token_id is None:
+        # causal LMs often ship without one; padding is masked out of attention and loss anyway
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_base_model(section: ModelSection, vocab_size: int, saved_base: Optional[Path] = None,
+                     device: Union[str, torch.device, None] = None) -> nn.Module:
+    """Load `section.path`, else the run's saved fresh model, else initialise the preset at random."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = DTYPES[section.dtype]
+    kwargs = {"dtype": dtype}
+    if section.attn_implementation:
+        kwargs["attn_implementation"] = section.attn_implementation
+    path = section.path or (str(saved_base) if saved_base is not None and (saved_base / "config.json").is_file() else None)
+    if path is not None:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        return model.to(device) if device is not None else model
+    config = preset_config(section.architecture, section.size, section.config_overrides, min_vocab=vocab_size)
+    with torch.device(device or "cpu"):
+        return AutoModelForCausalLM.from_config(config, **kwargs)

@@ -1,0 +1,41 @@
+"""Optimizer over BEM's trainable parameters only, and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from .schema import TrainingSection
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise RuntimeError("the model has no trainable parameters: BEM modules should have been trainable")
+    return params
+
+
+def build_optimizer(params: list[nn.Parameter], training: TrainingSection) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=training.lr, betas=(training.adam_beta1, training.adam_beta2),
+                             weight_decay=training.weight_decay)
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, kind: str) -> float:
+    """Multiplier of the peak LR at `step` (0-based): linear warm-up, then constant, linear or cosine decay."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if kind == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if kind == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, training: TrainingSection,
+                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, total_steps, training.warmup_steps, training.scheduler)
+    )

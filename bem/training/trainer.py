@@ -1,0 +1,337 @@
+"""The training loop: accelerate does devices, mixed precision and data parallelism; this file does the rest.
+
+Loss normalisation: each optimizer step divides the summed token losses of all its micro-batches on all
+processes by their total target-token count, so the update does not depend on how the global batch is
+split over processes or accumulation steps (the two-process run matches the one-process run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..io_utils import atomic_write_text
+from . import checkpoint as ckpt
+from .config import TrainConfig
+from .data import (IGNORE_INDEX, Collator, EpochSampler, read_records, split_examples, target_token_count,
+                   tokenize_records)
+from .metrics import MetricsLog, format_summary, routing_summary
+from .model_factory import build_base_model, load_tokenizer
+from .optim import build_optimizer, build_scheduler, trainable_parameters
+from .schema import ConfigError
+
+
+@dataclass
+class TrainResult:
+    adapter_dir: Optional[Path]  # None when stopped early (stop_at_step)
+    step: int
+    last_loss: float
+    eval_loss: Optional[float]
+
+
+def resolve_resume(config: TrainConfig) -> Optional[Path]:
+    """The checkpoint to resume from, or None; refuses to start over a run's existing checkpoints."""
+    resume, output_dir = config.training.resume, config.output_dir
+    if resume is None:
+        if ckpt.list_checkpoints(output_dir):
+            raise ConfigError("training.resume", f"{output_dir} already holds checkpoints; set training.resume=latest "
+                                                 f"to continue that run, or choose another training.output_dir")
+        return None
+    if resume == "latest":
+        return ckpt.latest_checkpoint(output_dir)
+    path = Path(resume)
+    if not (path / ckpt.STATE_FILE).is_file():
+        raise ConfigError("training.resume", f"{path} is not a complete checkpoint ({ckpt.STATE_FILE} is missing)")
+    return path
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy (fp32) over the positions whose label is not ignored."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, echo: Callable[[str], None] = print) -> None:
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        self.config = config
+        training = config.training
+        self.resume_from = resolve_resume(config)
+        # rng_types=[]: the data order comes from EpochSampler alone; accelerate must not reseed anything
+        self.accelerator = Accelerator(mixed_precision=training.mixed_precision, cpu=training.cpu, rng_types=[])
+        self.is_main = self.accelerator.is_main_process
+        self.echo = echo if self.is_main else (lambda _msg: None)
+        self.output_dir = config.output_dir
+        self.base_dir = self.output_dir / "base_model"
+        set_seed(training.seed)  # same fresh base and same BEM init on every process
+        self._build_data()
+        self._build_model()
+
+    # ------------------------------------------------------------------ setup
+    def _build_data(self) -> None:
+        config = self.config
+        saved_base = self.base_dir if config.model.path is None else None
+        self.tokenizer = load_tokenizer(config.model, saved_base)
+        train = tokenize_records(read_records(config.data.train, "data.train", config.data.dataset_split),
+                                 self.tokenizer, config.data)
+        if config.data.eval is not None:
+            evaluation = tokenize_records(read_records(config.data.eval, "data.eval", config.data.dataset_split),
+                                          self.tokenizer, config.data)
+        else:
+            train, evaluation = split_examples(train, config.data.eval_fraction, config.training.seed)
+        self.train_examples, self.eval_examples = train, evaluation
+
+    def _build_model(self) -> None:
+        from .. import create_hierarchical_bem
+
+        config, training = self.config, self.config.training
+        base = build_base_model(config.model, len(self.tokenizer), self.base_dir if config.model.path is None else None)
+        if config.model.path is None and self.is_main and not (self.base_dir / "config.json").is_file():
+            self._save_fresh_base(base)
+        self.accelerator.wait_for_everyone()
+        if training.gradient_checkpointing:
+            # non-reentrant: the frozen base's inputs do not require grad, only BEM's weights do
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            base.config.use_cache = False
+        bem_config = config.bem
+        bem_config.base_model_name_or_path = config.model.path or str(self.base_dir)
+        model = create_hierarchical_bem(base, bem_config)
+        params = trainable_parameters(model)
+        if training.mixed_precision != "no":
+            # trainable weights stay fp32 under autocast; only the frozen base runs in the low precision
+            for param in params:
+                param.data = param.data.float()
+        optimizer = build_optimizer(params, training)
+        self.sampler = EpochSampler(len(self.train_examples), training.seed)
+        loader = torch.utils.data.DataLoader(self.train_examples, batch_size=training.batch_size, sampler=self.sampler,
+                                             drop_last=True, collate_fn=Collator(self.tokenizer.pad_token_id))
+        self.model, self.optimizer, self.loader = self.accelerator.prepare(model, optimizer, loader)
+        accumulation = training.gradient_accumulation_steps
+        self.micro_per_epoch = len(self.loader) // accumulation * accumulation
+        if self.micro_per_epoch == 0:
+            raise ConfigError("training.batch_size", f"{len(self.train_examples)} training examples do not fill one "
+                                                     f"optimizer step of batch_size {training.batch_size} x "
+                                                     f"gradient_accumulation_steps {accumulation} x "
+                                                     f"{self.accelerator.num_processes} processes")
+        self.steps_per_epoch = self.micro_per_epoch // accumulation
+        self.total_steps = training.max_steps or training.epochs * self.steps_per_epoch
+        # stepped once per optimizer step by this loop (accelerate's wrapper would step it per process)
+        self.scheduler = build_scheduler(optimizer, training, self.total_steps)
+        self.params = params
+
+    def _save_fresh_base(self, base: torch.nn.Module) -> None:
+        # the adapter is only usable with these exact random weights: keep them, written atomically
+        tmp = self.output_dir / ".tmp-base_model"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        base.save_pretrained(tmp)
+        self.tokenizer.save_pretrained(tmp)
+        tmp.replace(self.base_dir)
+
+    @property
+    def bem_model(self):
+        return self.accelerator.unwrap_model(self.model)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _state(self, step: int, tokens_seen: int) -> ckpt.TrainerState:
+        consumed = step * self.config.training.gradient_accumulation_steps
+        return ckpt.TrainerState(step=step, epoch=consumed // self.micro_per_epoch,
+                                 micro_batch_in_epoch=consumed % self.micro_per_epoch, tokens_seen=tokens_seen,
+                                 world_size=self.accelerator.num_processes, batch_size=self.config.training.batch_size,
+                                 gradient_accumulation_steps=self.config.training.gradient_accumulation_steps)
+
+    def save_checkpoint(self, step: int, tokens_seen: int) -> Path:
+        scheduler_state = {"scheduler": self.scheduler.state_dict()}
+        if self.accelerator.scaler is not None:
+            scheduler_state["grad_scaler"] = self.accelerator.scaler.state_dict()
+        return ckpt.save_checkpoint(
+            self.output_dir, self._state(step, tokens_seen),
+            adapter_state=self.bem_model.bem_state_dict() if self.is_main else None,
+            optimizer_state=self.optimizer.state_dict() if self.is_main else None,
+            scheduler_state=scheduler_state, rank=self.accelerator.process_index, is_main=self.is_main,
+            barrier=self.accelerator.wait_for_everyone, keep=self.config.training.save_total_limit)
+
+    def _restore(self, directory: Path) -> ckpt.TrainerState:
+        state, adapter, optimizer_state, scheduler_state = ckpt.load_checkpoint(directory, self.accelerator.process_index)
+        training = self.config.training
+        run_shape = (self.accelerator.num_processes, training.batch_size, training.gradient_accumulation_steps)
+        if (state.world_size, state.batch_size, state.gradient_accumulation_steps) != run_shape:
+            raise ConfigError("training.resume", f"{directory} was written by a run with {state.world_size} processes x "
+                                                 f"batch_size {state.batch_size} x gradient_accumulation_steps "
+                                                 f"{state.gradient_accumulation_steps}; this run has {run_shape[0]} x "
+                                                 f"{run_shape[1]} x {run_shape[2]}, so the data position would not match")
+        self.bem_model.load_bem_state_dict(adapter)  # copy_ casts to each weight's device and dtype
+        self.optimizer.load_state_dict(optimizer_state)
+        self.scheduler.load_state_dict(scheduler_state["scheduler"])
+        if self.accelerator.scaler is not None and "grad_scaler" in scheduler_state:
+            self.accelerator.scaler.load_state_dict(scheduler_state["grad_scaler"])
+        return state
+
+    # ------------------------------------------------------------------ batches
+    def _micro_batches(self, state: ckpt.TrainerState) -> Iterator[dict[str, torch.Tensor]]:
+        """Micro-batches from the checkpoint's position on, epoch after epoch, in a fixed order."""
+        epoch, skip = state.epoch, state.micro_batch_in_epoch
+        while True:
+            loader = self.accelerator.skip_first_batches(self.loader, skip) if skip else self.loader
+            self.sampler.set_epoch(epoch)
+            loader.set_epoch(epoch)  # the loader re-applies its epoch to the sampler when iterated
+            for index, batch in enumerate(loader, start=skip):
+                if index >= self.micro_per_epoch:
+                    break  # the incomplete accumulation group at an epoch's end is left out
+                yield batch
+            epoch, skip = epoch + 1, 0
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self) -> Optional[dict[str, float]]:
+        if not self.eval_examples:
+            return None
+        # each process scores every world_size-th example: exact sums, no padded duplicates
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        shard = self.eval_examples[rank::world]
+        batch_size = self.config.training.eval_batch_size or self.config.training.batch_size
+        collate = Collator(self.tokenizer.pad_token_id)
+        totals = torch.zeros(2, dtype=torch.float64, device=self.accelerator.device)
+        self.model.eval()
+        for start in range(0, len(shard), batch_size):
+            batch = {k: v.to(self.accelerator.device) for k, v in collate(shard[start:start + batch_size]).items()}
+            with self.accelerator.autocast():
+                logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            totals[0] += token_loss_sum(logits, batch["labels"]).double()
+            totals[1] += target_token_count(batch["labels"])
+        self.model.train()
+        totals = self.accelerator.reduce(totals, "sum")
+        loss = float(totals[0] / totals[1].clamp_min(1))
+        result = {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+        if self.config.logging.routing_summary and shard:
+            result.update(routing_summary(self.bem_model.routing_stats()))
+        return result
+
+    # ------------------------------------------------------------------ the loop
+    def train(self, stop_at_step: Optional[int] = None) -> TrainResult:
+        """Train to the configured end; `stop_at_step` ends early without the final save (an interruption)."""
+        config, training = self.config, self.config.training
+        accelerator = self.accelerator
+        state = self._state(0, 0)
+        if self.resume_from is not None:
+            state = self._restore(self.resume_from)
+            self.echo(f"resuming from {self.resume_from} at step {state.step}")
+        elif training.resume == "latest":
+            self.echo(f"no checkpoint in {self.output_dir / 'checkpoints'}; starting from scratch")
+        if self.is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.output_dir / "config.yaml", config.to_yaml())
+        metrics = self._metrics_log(state.step if self.resume_from is not None else None)
+        if self.is_main and state.step == 0:
+            trainable, total = self.bem_model.get_nb_trainable_parameters()
+            self.echo(f"trainable params: {trainable:,d} || all params: {total:,d} || "
+                      f"trainable%: {100 * trainable / max(total, 1):.4f}")
+            self.echo(f"{len(self.train_examples)} training examples, {len(self.eval_examples)} eval examples; "
+                      f"{self.steps_per_epoch} steps per epoch, {self.total_steps} steps")
+        progress = self._progress(state.step)
+        step, tokens_seen = state.step, state.tokens_seen
+        batches = self._micro_batches(state)
+        loss_value, eval_result = float("nan"), None
+        window_start, window_tokens = time.perf_counter(), 0
+        self.model.train()
+        while step < self.total_steps and (stop_at_step is None or step < stop_at_step):
+            loss_value, counts = self._optimizer_step([next(batches) for _ in range(training.gradient_accumulation_steps)])
+            step += 1
+            tokens_seen += int(counts[0])
+            window_tokens += int(counts[1])
+            if step % training.log_every == 0 or step == self.total_steps:
+                elapsed = max(time.perf_counter() - window_start, 1e-9)
+                record = {"step": step, "loss": loss_value, "lr": self.scheduler.get_last_lr()[0],
+                          "tokens_per_s": window_tokens / elapsed, "tokens_seen": tokens_seen,
+                          "epoch": step / self.steps_per_epoch}
+                if self.is_main:
+                    metrics.write(record)
+                    if progress is not None:
+                        progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{record['lr']:.2e}",
+                                             tok_s=f"{record['tokens_per_s']:.0f}")
+                window_start, window_tokens = time.perf_counter(), 0
+            if progress is not None:
+                progress.update(1)
+            final = step == self.total_steps
+            if (training.eval_every and step % training.eval_every == 0) or final:
+                eval_result = self.evaluate()
+                if eval_result is not None and self.is_main:
+                    metrics.write({"step": step, **eval_result})
+                    self._write(f"step {step}: {format_summary(eval_result)}", progress)
+            if (training.save_every and step % training.save_every == 0) or final:
+                path = self.save_checkpoint(step, tokens_seen)
+                self._write(f"saved checkpoint {path}", progress)
+        if progress is not None:
+            progress.close()
+        metrics.close()
+        if step < self.total_steps:
+            return TrainResult(None, step, loss_value, None)
+        adapter_dir = self.output_dir / "adapter"
+        if self.is_main:
+            self.bem_model.save_pretrained(adapter_dir)
+        accelerator.wait_for_everyone()
+        self.echo(f"adapter saved to {adapter_dir}")
+        return TrainResult(adapter_dir, step, loss_value, None if eval_result is None else eval_result["eval_loss"])
+
+    def _optimizer_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, torch.Tensor]:
+        """One optimizer step over `micro_batches`; returns the global mean loss and (target, input) tokens."""
+        accelerator = self.accelerator
+        local = torch.stack([sum(target_token_count(b["labels"]) for b in micro_batches),
+                             sum(b["attention_mask"].sum() for b in micro_batches)]).to(accelerator.device)
+        counts = accelerator.reduce(local, "sum")
+        # DDP averages gradients over processes; scaling by the process count turns that into a global sum
+        scale = accelerator.num_processes / counts[0].clamp_min(1).float()
+        loss_sum = torch.zeros((), device=accelerator.device, dtype=torch.float64)
+        for index, batch in enumerate(micro_batches):
+            last = index == len(micro_batches) - 1
+            with contextlib.nullcontext() if last else accelerator.no_sync(self.model):
+                logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                summed = token_loss_sum(logits, batch["labels"])
+                accelerator.backward(summed * scale)
+            loss_sum += summed.detach().double()
+        if self.config.training.max_grad_norm is not None:
+            accelerator.clip_grad_norm_(self.params, self.config.training.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = float(accelerator.reduce(loss_sum, "sum") / counts[0].clamp_min(1))
+        return loss, counts.cpu()
+
+    # ------------------------------------------------------------------ output
+    def _metrics_log(self, resume_step: Optional[int]) -> MetricsLog:
+        if not self.is_main:
+            return MetricsLog(None, None, None)
+        logging = self.config.logging
+        path = self.output_dir / logging.metrics_file if logging.metrics_file else None
+        tensorboard = self.output_dir / "tensorboard" if logging.tensorboard else None
+        return MetricsLog(path, tensorboard, resume_step)
+
+    def _progress(self, initial: int):
+        if not (self.is_main and self.config.logging.console):
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=self.total_steps, initial=initial, desc="training", unit="step", dynamic_ncols=True)
+
+    def _write(self, message: str, progress: Any) -> None:
+        if not self.is_main:
+            return
+        if progress is not None:
+            progress.write(message)
+        else:
+            self.echo(message)
+
+
+def train(config: TrainConfig, stop_at_step: Optional[int] = None, echo: Callable[[str], None] = print) -> TrainResult:
+    """Fine-tune with BEM as `config` says; see `docs/training.md`."""
+    return Trainer(config, echo=echo).train(stop_at_step=stop_at_step)
