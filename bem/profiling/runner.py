@@ -1,0 +1,203 @@
+"""`run_profile`: measure base, BEM and LoRA on one model in one process and return the report."""
+
+from __future__ import annotations
+
+import platform
+import time
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+
+from .config import ProfileConfig
+from .models import Variants, build_variants, count_parameters, load_base_model, resolve_device, vocab_size
+from .report import REPORT_KIND, SCHEMA_VERSION, apply_gate, make_setting
+from .routing import capture_last_call, replay
+from .timing import Clock, interleaved, median, warm_up_gpu
+from . import workloads
+
+Log = Callable[[str], None]
+
+
+class Profiler:
+    def __init__(self, config: ProfileConfig, variants: Variants, device: torch.device, log: Log) -> None:
+        self.config, self.variants, self.device, self.log = config, variants, device, log
+        self.clock = Clock(device)
+        self.vocab = vocab_size(variants.base)
+        self.pad_token_id = getattr(variants.base.config, "pad_token_id", None) or 0
+        self.logits_to_keep = workloads.supports_logits_to_keep(variants.base)
+        self.settings: list[dict[str, Any]] = []
+        self.routing: list[dict[str, Any]] = []
+
+    def _time(self, runs: dict) -> dict[str, list[float]]:
+        timing = self.config.timing
+        return interleaved(runs, self.clock, timing.warmup, timing.repeats)
+
+    def _batches(self, batch: int, length: int, salt: int) -> list[torch.Tensor]:
+        return workloads.random_batches(self.vocab, batch, length, self.config.seed + salt, self.device)
+
+    # ------------------------------------------------------------------ prefill
+    def prefill(self, batch: int, length: int) -> None:
+        name = f"prefill b{batch} s{length}"
+        self.log(f"  {name}")
+        batches = self._batches(batch, length, salt=batch * 100_003 + length)
+        runs = {key: workloads.prefill(model, batches, self.logits_to_keep)
+                for key, model in self.variants.named().items()}
+        controller = self.variants.bem.controller
+        if controller is not None:
+            with capture_last_call(controller, "forward") as call:
+                runs["bem"](0)
+            runs["controller"] = replay(controller, "forward", call)
+        samples = self._time(runs)
+        self._add(name, "prefill", {"batch": batch, "sequence": length}, "ms", samples)
+
+    # ------------------------------------------------------------------ decode
+    def decode(self, batch: int) -> None:
+        spec = self.config.decode
+        name = f"decode b{batch}"
+        self.log(f"  {name} ({spec.new_tokens} tokens after a {spec.prompt_length}-token prompt)")
+        batches = self._batches(batch, spec.prompt_length, salt=7_919 * batch)
+        runs = {}
+        for key, model in self.variants.named().items():
+            runs[key] = workloads.generation(model, batches, spec.new_tokens, self.pad_token_id)
+            runs[f"{key}:first"] = workloads.generation(model, batches, 1, self.pad_token_id)
+        controller = self.variants.bem.controller
+        if controller is not None:
+            with capture_last_call(controller, "step") as call:
+                runs["bem"](0)
+            runs["controller"] = replay(controller, "step", call)
+        samples = self._time(runs)
+        # per generated token: (generate N - generate 1) / (N - 1) leaves out the prompt's prefill
+        per_token = {}
+        for key in self.variants.named():
+            full, first = median(samples[key]), median(samples[f"{key}:first"])
+            per_token[key] = (full - first) / (spec.new_tokens - 1)
+        if min(per_token.values()) <= 0:
+            raise RuntimeError(f"{name}: generating {spec.new_tokens} tokens was not slower than generating one; "
+                               f"the timings are noise (raise decode.new_tokens or timing.repeats)")
+        shape = {"batch": batch, "prompt_length": spec.prompt_length, "new_tokens": spec.new_tokens}
+        self._add(name, "decode", shape, "ms/token", samples, medians=per_token)
+
+    # ------------------------------------------------------------------ training step
+    def train(self) -> None:
+        spec = self.config.train
+        name = f"train b{spec.batch_size} s{spec.sequence_length}"
+        self.log(f"  {name}")
+        batches = self._batches(spec.batch_size, spec.sequence_length, salt=31_337)
+        models = self.variants.named()
+        for model in models.values():
+            model.train()
+        try:
+            runs = {key: workloads.training_step(model, batches, spec.learning_rate, frozen_base=(key == "base"))
+                    for key, model in models.items()}
+            samples = self._time(runs)
+            memory = {key: workloads.step_memory(models[key], runs[key], self.device) for key in runs}
+        finally:
+            for model in models.values():
+                model.eval()
+                model.zero_grad(set_to_none=True)
+        shape = {"batch": spec.batch_size, "sequence": spec.sequence_length}
+        self._add(name, "train", shape, "ms", samples, memory=memory)
+
+    # ------------------------------------------------------------------ records
+    def _add(self, name: str, kind: str, shape: dict, unit: str, samples: dict[str, list[float]],
+             medians: Optional[dict[str, float]] = None, memory: Optional[dict] = None) -> None:
+        medians = dict(medians or {key: median(samples[key]) for key in self.variants.named()})
+        setting = make_setting(name, kind, shape, unit, medians, samples, memory,
+                               gated=kind in self.config.gate)
+        self.settings.append(setting)
+        if "controller" in samples:
+            controller_ms = median(samples["controller"])
+            self.routing.append({
+                "setting": name, "call": "forward" if kind == "prefill" else "step",
+                "controller_ms": controller_ms, "samples": samples["controller"],
+                "share_of_bem": controller_ms / medians["bem"],
+                "fraction_of_base": controller_ms / medians["base"],
+            })
+
+
+def run_profile(config: ProfileConfig, log: Log = print) -> dict[str, Any]:
+    """Measure every configured setting; the returned report is gated at `config.max_overhead`."""
+    started = time.time()
+    device = resolve_device(config.device)
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    log(f"loading the base model on {device} ...")
+    base = load_base_model(config.model, device, config.seed)
+    with warnings.catch_warnings():  # deprecation notices from the libraries' own calls are not ours to show
+        warnings.simplefilter("ignore", FutureWarning)
+        variants = build_variants(base, config.bem_config(), config.lora)
+    warm_up_gpu(device, config.timing.gpu_warmup_seconds)
+    profiler = Profiler(config, variants, device, log)
+    log("measuring (medians; base, BEM and LoRA interleaved):")
+    for batch, length in config.prefill.shapes:
+        profiler.prefill(batch, length)
+    for batch in config.decode.batch_sizes:
+        profiler.decode(batch)
+    if config.train.enabled:
+        profiler.train()
+    kernels = None
+    if config.kernels.run_with_profile:
+        from .kernels import run_kernel_benchmark
+
+        log("  kernel micro-benchmark")
+        kernels = run_kernel_benchmark(config.kernels, device)
+    report = {
+        "kind": REPORT_KIND,
+        "schema_version": SCHEMA_VERSION,
+        "name": config.name,
+        "created_unix": started,
+        "duration_s": time.time() - started,
+        "config": config.to_dict(),
+        "environment": environment(device, config),
+        "model": model_summary(variants),
+        "timing": {"method": profiler.clock.method, "statistic": "median", "warmup": config.timing.warmup,
+                   "repeats": config.timing.repeats, "interleaved": True,
+                   "gpu_warmup_seconds": config.timing.gpu_warmup_seconds if device.type == "cuda" else 0.0},
+        "settings": profiler.settings,
+        "routing": profiler.routing,
+        "kernels": kernels,
+        "max_overhead": config.max_overhead,
+        "failed": [],
+        "passed": True,
+    }
+    return apply_gate(report, config.max_overhead)
+
+
+def environment(device: torch.device, config: ProfileConfig) -> dict[str, Any]:
+    import transformers
+
+    from ..kernels import KERNELS_AVAILABLE
+
+    try:
+        import peft
+
+        peft_version: Optional[str] = peft.__version__
+    except ImportError:
+        peft_version = None
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft_version,
+        "device": device.type,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "threads": torch.get_num_threads(),
+        "dtype": config.model.dtype,
+        "attn_implementation": config.model.attn_implementation,
+        "kernels_available": bool(KERNELS_AVAILABLE),
+    }
+
+
+def model_summary(variants: Variants) -> dict[str, Any]:
+    bem = variants.bem
+    return {
+        "model_type": getattr(variants.base.config, "model_type", type(variants.base).__name__),
+        "parameters": count_parameters(variants.base),
+        "bem_modules": len(bem.bem_module_names),
+        "bem_trainable_parameters": count_parameters(bem, trainable_only=True),
+        "lora_trainable_parameters": (count_parameters(variants.lora, trainable_only=True)
+                                      if variants.lora is not None else None),
+        "lora_note": variants.lora_note,
+        "routing": bem.controller is not None,
+    }

@@ -1,0 +1,80 @@
+"""Trustworthy wall-clock timing: CUDA events on the GPU, `perf_counter` on the CPU, variants interleaved.
+
+Variants are timed round-robin within each repeat, with the starting variant rotated from one repeat
+to the next, so drifting clocks, thermal state or a noisy neighbour affect every variant alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+# A workload takes the repeat index (to rotate its inputs) and returns anything.
+Workload = Callable[[int], Any]
+
+
+class Clock:
+    """Times one call in milliseconds on `device`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    @property
+    def method(self) -> str:
+        return "cuda_events" if self.cuda else "perf_counter"
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def time_ms(self, fn: Callable[[], Any]) -> float:
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(self.device)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return float(start.elapsed_time(end))
+        begin = time.perf_counter()
+        fn()
+        return (time.perf_counter() - begin) * 1e3
+
+
+def warm_up_gpu(device: torch.device, seconds: float) -> int:
+    """Run large bf16 matrix products for `seconds` so the GPU reaches its working clocks; returns the count."""
+    if device.type != "cuda" or seconds <= 0:
+        return 0
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    b = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    count, deadline = 0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        for _ in range(10):
+            a @ b
+        torch.cuda.synchronize(device)
+        count += 10
+    return count
+
+
+def interleaved(workloads: dict[str, Workload], clock: Clock, warmup: int, repeats: int) -> dict[str, list[float]]:
+    """Samples (ms) per workload: `warmup` untimed rounds, then `repeats` timed round-robin rounds."""
+    names = list(workloads)
+    for index in range(warmup):
+        for name in names:
+            workloads[name](index)
+    clock.synchronize()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for index in range(repeats):
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(clock.time_ms(lambda: workloads[name](index)))
+    return samples
+
+
+def median(samples: list[float]) -> float:
+    return float(statistics.median(samples))

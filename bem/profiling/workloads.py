@@ -1,0 +1,107 @@
+"""The measured workloads: prefill, cached decoding through `generate`, one training step.
+
+Each builder returns a `Workload` (a callable taking the repeat index, used to rotate between a few
+input batches) for one model; the same inputs are shared by every variant.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from .timing import Workload
+
+INPUT_SETS = 3  # distinct input batches rotated across repeats
+
+
+def random_batches(vocab: int, batch: int, length: int, seed: int, device: torch.device) -> list[torch.Tensor]:
+    """Token ids away from the usual special ids (0..2), so no row is read as padding or end of text."""
+    generator = torch.Generator().manual_seed(seed)
+    low = 3 if vocab > 3 else 0
+    return [torch.randint(low, vocab, (batch, length), generator=generator).to(device) for _ in range(INPUT_SETS)]
+
+
+def prefill(model: nn.Module, batches: list[torch.Tensor], logits_to_keep: bool) -> Workload:
+    """One forward over the prompt that builds the KV cache, as `generate` runs its first step."""
+    extra = {"logits_to_keep": 1} if logits_to_keep else {}
+
+    def run(index: int) -> Any:
+        ids = batches[index % len(batches)]
+        with torch.inference_mode():
+            return model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, **extra)
+
+    return run
+
+
+def supports_logits_to_keep(base_model: nn.Module) -> bool:
+    """Whether the plain Hugging Face model can skip the logits of all but the last position."""
+    try:
+        return "logits_to_keep" in inspect.signature(base_model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def generation(model: nn.Module, batches: list[torch.Tensor], new_tokens: int, pad_token_id: int) -> Workload:
+    """Greedy `generate` of exactly `new_tokens` tokens with the KV cache."""
+
+    def run(index: int) -> Any:
+        ids = batches[index % len(batches)]
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=False, use_cache=True,
+                              pad_token_id=pad_token_id)
+
+    return run
+
+
+def training_step(model: nn.Module, batches: list[torch.Tensor], learning_rate: float,
+                  frozen_base: bool) -> Workload:
+    """Forward + backward + AdamW step on the trainable parameters.
+
+    The frozen base has nothing to train; its step is forward + backward with the gradient flowing to
+    the input embeddings, the least any adapter's training step must do.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=learning_rate) if params and not frozen_base else None
+    embeddings = model.get_input_embeddings()
+
+    def run(index: int) -> None:
+        ids = batches[index % len(batches)]
+        if frozen_base:
+            embeds = embeddings(ids).detach().requires_grad_(True)
+            loss = model(inputs_embeds=embeds, attention_mask=torch.ones_like(ids), labels=ids, use_cache=False).loss
+        else:
+            loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, use_cache=False).loss
+        loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return run
+
+
+def step_memory(model: nn.Module, step: Callable[[int], Any], device: torch.device) -> dict[str, Optional[int]]:
+    """Memory of one training step: activation bytes saved for backward (any device; parameters not
+    counted) and, on a GPU, the peak allocated above what was allocated before the step."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+        return tensor
+
+    peak: Optional[int] = None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        step(0)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        peak = int(torch.cuda.max_memory_allocated(device) - before)
+    return {"saved_for_backward_bytes": int(sum(seen.values())), "peak_step_bytes": peak}
