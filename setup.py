@@ -1,18 +1,59 @@
-"""Installs the `bem` package (pure Python: the PyTorch reference path works everywhere)."""
+"""Installs the `bem` package, with the optional CUDA extension `bem._C`.
+
+The extension is built when torch with CUDA and a CUDA toolkit are importable at build time (e.g.
+`pip install --no-build-isolation -e .`); `BEM_BUILD_CUDA=1` requires it, `BEM_BUILD_CUDA=0` skips it.
+Architectures come from `TORCH_CUDA_ARCH_LIST` (default here: 8.0 and 9.0). Without the extension the
+package is pure Python and `bem.kernels` builds it just in time on a CUDA machine, or uses the reference.
+"""
+
+import os
 
 from setuptools import find_packages, setup
+
+KERNEL_SOURCES = ["bindings.cpp", "lowrank_update.cu", "decode_linear.cu"]
+
+
+def cuda_extension() -> dict:
+    """setup() keywords for bem._C, or {} when the extension is not to be built."""
+    wanted = os.environ.get("BEM_BUILD_CUDA", "auto")
+    if wanted == "0":
+        return {}
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+    except ImportError:
+        if wanted == "1":
+            raise RuntimeError("BEM_BUILD_CUDA=1 but torch is not importable at build time (use --no-build-isolation)")
+        return {}
+    if torch.version.cuda is None or CUDA_HOME is None:
+        if wanted == "1":
+            raise RuntimeError("BEM_BUILD_CUDA=1 but torch has no CUDA or no CUDA toolkit (nvcc) was found")
+        return {}
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    csrc = os.path.join("bem", "kernels", "csrc")
+    extension = CUDAExtension(
+        name="bem._C",
+        sources=[os.path.join(csrc, name) for name in KERNEL_SOURCES],
+        extra_compile_args={
+            "cxx": ["-O3", "-std=c++17"],
+            "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"],
+        },
+    )
+    return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildExtension.with_options(use_ninja=True)}}
+
 
 setup(
     name="bem",
     version="0.1.0",
     description="Bolt-on Expert Modules: context-routed low-rank experts for Hugging Face models",
     packages=find_packages(include=["bem", "bem.*"]),
+    package_data={"bem.kernels": ["csrc/*.cpp", "csrc/*.cu", "csrc/*.cuh", "csrc/*.h"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",
-        "transformers>=5.0",
-        "peft>=0.20",
-        "accelerate>=1.10",
+        "transformers>=4.56",
+        "peft>=0.17",
+        "accelerate>=1.0",
         "safetensors>=0.4",
         "pyyaml>=6.0",
         "tqdm>=4.60",
@@ -22,4 +63,5 @@ setup(
         "plots": ["matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["bem=bem.cli:main"]},
+    **cuda_extension(),
 )

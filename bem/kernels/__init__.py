@@ -1,5 +1,8 @@
-"""BEM kernels: fused CUDA ops with a PyTorch reference behind one dispatch point (`ops`)."""
+"""BEM kernels: fused CUDA ops with a PyTorch reference behind one dispatch point (`ops`).
 
-from .ops import KERNELS_AVAILABLE, bem_linear, generated_update
+`KERNELS_AVAILABLE` tells whether the CUDA extension loaded; without it every op runs the reference.
+"""
 
-__all__ = ["KERNELS_AVAILABLE", "bem_linear", "generated_update"]
+from .ops import KERNELS_AVAILABLE, bem_linear, fused_unavailable_reason, generated_update
+
+__all__ = ["KERNELS_AVAILABLE", "bem_linear", "fused_unavailable_reason", "generated_update"]

@@ -1,6 +1,8 @@
 """The single dispatch point between the fused CUDA kernels and the PyTorch reference.
 
-Modules call `generated_update` / `bem_linear` here and never choose a backend themselves.
+Modules call `generated_update` / `bem_linear` here and never choose a backend themselves. The
+kernels run when the extension loaded, `use_fused` is true and the case is one they take
+(`fused_unavailable_reason` says why not otherwise); every other call runs `reference.py`.
 """
 
 from __future__ import annotations
@@ -9,10 +11,13 @@ from typing import Optional
 
 import torch
 
-from . import reference
+from . import custom_ops, reference
 
-# Set once the CUDA extension is built and loaded; until then every call takes the reference path.
-KERNELS_AVAILABLE = False
+# True when the CUDA extension `bem._C` (prebuilt or just-in-time) loaded.
+KERNELS_AVAILABLE: bool = custom_ops._C is not None
+
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MAX_FUSED_RANK = 128
 
 
 def _check_update_args(x: torch.Tensor, V: torch.Tensor, codes: Optional[torch.Tensor], U: torch.Tensor) -> None:
@@ -28,6 +33,72 @@ def _check_update_args(x: torch.Tensor, V: torch.Tensor, codes: Optional[torch.T
             f"codes must have shape {tuple(x.shape[:-1]) + (r,)} (input's leading dims + rank); "
             f"got {tuple(codes.shape)}"
         )
+    _check_same_kind(x, {"V": V, "U": U, "codes": codes})
+
+
+def _check_same_kind(x: torch.Tensor, others: dict[str, Optional[torch.Tensor]]) -> None:
+    """Every operand shares x's device and dtype (autocast casts before this point)."""
+    for name, tensor in others.items():
+        if tensor is None:
+            continue
+        if tensor.device != x.device:
+            raise ValueError(f"{name} is on {tensor.device} but the input x is on {x.device}")
+        if tensor.dtype != x.dtype:
+            raise ValueError(f"{name} has dtype {tensor.dtype} but the input x has {x.dtype}; cast them to one dtype")
+
+
+def _check_weight(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], V, U) -> None:
+    if weight.shape != (U.shape[0], V.shape[0]):
+        raise ValueError(
+            f"weight must be (N, K) = ({U.shape[0]}, {V.shape[0]}) to match U and V; got {tuple(weight.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (U.shape[0],):
+        raise ValueError(f"bias must be (N,) = ({U.shape[0]},); got {tuple(bias.shape)}")
+    _check_same_kind(x, {"weight": weight, "bias": bias})
+
+
+def fused_unavailable_reason(
+    x: torch.Tensor,
+    V: torch.Tensor,
+    use_fused: bool = True,
+    weight: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+) -> Optional[str]:
+    """None when the fused kernels take this call, else why the reference runs instead."""
+    if not use_fused:
+        return "use_fused is False"
+    if not KERNELS_AVAILABLE:
+        return "the CUDA extension bem._C is not loaded"
+    if x.device.type != "cuda":
+        return f"the tensors are on {x.device}, the kernels run on CUDA"
+    if _autocast_dtype(x) is None and x.dtype not in FUSED_DTYPES:
+        return f"dtype {x.dtype} has no kernel"
+    if V.shape[1] > MAX_FUSED_RANK:
+        return f"rank {V.shape[1]} exceeds the kernels' maximum of {MAX_FUSED_RANK}"
+    if x.numel() == 0:
+        return "the input is empty"
+    if (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad):
+        return "the frozen weight or bias requires grad (the kernels never compute dW or db)"
+    return None
+
+
+def _autocast_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
+    if x.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return None
+
+
+def _cast(dtype: Optional[torch.dtype], *tensors: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+    if dtype is None:
+        return tensors
+    return tuple(None if t is None else t.to(dtype) for t in tensors)
+
+
+def _flatten(x: torch.Tensor, codes: Optional[torch.Tensor], r: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    # The kernels take row-major 2-D operands; reshape copies only inputs that are not already so.
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    codes2 = None if codes is None else codes.reshape(-1, r).contiguous()
+    return x2, codes2
 
 
 def generated_update(
@@ -38,9 +109,17 @@ def generated_update(
     scaling: float,
     use_fused: bool = True,
 ) -> torch.Tensor:
-    """`s * ((x V) ⊙ codes) U^T`; codes None means all ones (plain LoRA)."""
+    """`s * ((x V) ⊙ codes) U^T`; x (..., K), V (K, r), codes (..., r) or None (all ones), U (N, r)."""
+    autocast_dtype = _autocast_dtype(x) if use_fused else None
+    if autocast_dtype is None:
+        _check_update_args(x, V, codes, U)
+    if fused_unavailable_reason(x, V, use_fused) is not None:
+        return reference.generated_update(x, V, codes, U, scaling)
+    x, V, codes, U = _cast(autocast_dtype, x, V, codes, U)
     _check_update_args(x, V, codes, U)
-    return reference.generated_update(x, V, codes, U, scaling)
+    x2, codes2 = _flatten(x, codes, V.shape[1])
+    y, _ = custom_ops.fused_generated_update(x2, V.contiguous(), codes2, U.contiguous(), float(scaling))
+    return y.reshape(*x.shape[:-1], U.shape[0])
 
 
 def bem_linear(
@@ -53,10 +132,19 @@ def bem_linear(
     scaling: float,
     use_fused: bool = True,
 ) -> torch.Tensor:
-    """`x W^T + b + s * ((x V) ⊙ codes) U^T`, W: (N, K)."""
+    """`x W^T + b + s * ((x V) ⊙ codes) U^T`, W: (N, K) (a transposed view of a (K, N) tensor is fine)."""
+    autocast_dtype = _autocast_dtype(x) if use_fused else None
+    if autocast_dtype is None:
+        _check_update_args(x, V, codes, U)
+        _check_weight(x, weight, bias, V, U)
+    if fused_unavailable_reason(x, V, use_fused, weight, bias) is not None:
+        return reference.bem_linear(x, weight, bias, V, codes, U, scaling)
+    x, weight, bias, V, codes, U = _cast(autocast_dtype, x, weight, bias, V, codes, U)
     _check_update_args(x, V, codes, U)
-    if weight.shape != (U.shape[0], V.shape[0]):
-        raise ValueError(
-            f"weight must be (N, K) = ({U.shape[0]}, {V.shape[0]}) to match U and V; got {tuple(weight.shape)}"
-        )
-    return reference.bem_linear(x, weight, bias, V, codes, U, scaling)
+    _check_weight(x, weight, bias, V, U)
+    if not (weight.is_contiguous() or weight.t().is_contiguous()):
+        weight = weight.contiguous()  # neither row-major nor a transposed row-major buffer: one copy
+    x2, codes2 = _flatten(x, codes, V.shape[1])
+    bias = None if bias is None else bias.contiguous()
+    y, _ = custom_ops.fused_bem_linear(x2, weight, bias, V.contiguous(), codes2, U.contiguous(), float(scaling))
+    return y.reshape(*x.shape[:-1], U.shape[0])

@@ -1,0 +1,237 @@
+"""Benchmark of the BEM linear: `python -m bem.kernels.bench [--quick] [--json FILE]`.
+
+For each shape, in one process and interleaved: plain `F.linear`, the PEFT-style LoRA pattern
+(`F.linear(x, W, b) + (x A^T) B^T * s`), the BEM reference path, and the fused kernels (the default
+dispatch and each composition mode), forward and forward+backward, plus the update alone. Every
+variant is captured in a CUDA graph that cycles through several input sets (more bytes than L2) and
+timed by its replays (median of CUDA-event timings), so the numbers are GPU time, not Python time.
+Ceilings measured in the same run: a large device-to-device copy (bytes read + written) and a large
+bf16 matmul. Ratios are to `F.linear` of the same shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from . import custom_ops, ops, reference
+
+DTYPE = torch.bfloat16
+SQUARE = (4096, 4096)
+SHAPES_FULL = (
+    [(m, *SQUARE, r) for m in (1, 16, 512, 4096, 16384) for r in (8, 16, 32, 64)]
+    + [(m, k, n, r) for m in (1, 16, 4096, 16384) for (k, n) in ((4096, 14336), (14336, 4096)) for r in (8, 32)]
+    + [(16384, 768, 768, r) for r in (8, 32)]
+)
+SHAPES_QUICK = [(1, 4096, 4096, 8), (16, 4096, 4096, 8), (4096, 4096, 4096, 8), (16384, 4096, 4096, 8),
+                (16384, 768, 768, 8)]
+
+
+def _median_ms(fn: Callable[[], None]) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _graph(fn: Callable[[int], object], calls: int) -> Callable[[], None]:
+    """Capture `calls` invocations fn(0..calls-1) in one CUDA graph; returns its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(calls):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    return graph.replay
+
+
+def warm_up(seconds: float = 1.0) -> None:
+    a = torch.randn(8192, 8192, device="cuda", dtype=DTYPE)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    while True:
+        for _ in range(10):
+            a @ a
+        end.record()
+        end.synchronize()
+        if start.elapsed_time(end) > seconds * 1e3:
+            return
+
+
+def ceilings() -> dict:
+    n = 1 << 30  # 1 GiB each way
+    src = torch.randint(0, 255, (n,), device="cuda", dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    copy_ms = _median_ms(lambda: dst.copy_(src))
+    a = torch.randn(8192, 8192, device="cuda", dtype=DTYPE)
+    b = torch.randn(8192, 8192, device="cuda", dtype=DTYPE)
+    mm_ms = _median_ms(lambda: a @ b)
+    return {"copy_GBps": 2 * n / copy_ms / 1e6, "bf16_TFLOPs": 2 * 8192**3 / mm_ms / 1e9}
+
+
+def _sets(M: int, K: int, N: int, r: int, l2_bytes: int) -> list[dict]:
+    per_set = 2 * (M * K + N * K + M * N)
+    count = max(1, min(8, math.ceil(3 * l2_bytes / per_set)))
+    sets = []
+    for _ in range(count):
+        x = torch.randn(M, K, device="cuda", dtype=DTYPE)
+        sets.append({
+            "x": x,
+            "W": (torch.randn(N, K, device="cuda", dtype=DTYPE) / K**0.5),
+            "b": torch.randn(N, device="cuda", dtype=DTYPE),
+            "V": (torch.randn(K, r, device="cuda", dtype=DTYPE) / K**0.5).requires_grad_(),
+            "U": (torch.randn(N, r, device="cuda", dtype=DTYPE) * 0.1).requires_grad_(),
+            "c": (1 + 0.1 * torch.randn(M, r, device="cuda", dtype=DTYPE)).requires_grad_(),
+            "g": torch.randn(M, N, device="cuda", dtype=DTYPE),
+            "xg": x.detach().clone().requires_grad_(),
+        })
+    return sets
+
+
+def _forward_variants(sets: list[dict], s: float, M: int) -> dict[str, Callable[[int], object]]:
+    def pick(i):
+        return sets[i % len(sets)]
+
+    variants = {
+        "F.linear": lambda i: F.linear(pick(i)["x"], pick(i)["W"], pick(i)["b"]),
+        "PEFT LoRA": lambda i: F.linear(pick(i)["x"], pick(i)["W"], pick(i)["b"])
+        + (pick(i)["x"] @ pick(i)["V"].detach()) @ pick(i)["U"].detach().t() * s,
+        "BEM reference": lambda i: reference.bem_linear(
+            pick(i)["x"], pick(i)["W"], pick(i)["b"], pick(i)["V"].detach(), pick(i)["c"].detach(),
+            pick(i)["U"].detach(), s),
+        "BEM fused": lambda i: ops.bem_linear(
+            pick(i)["x"], pick(i)["W"], pick(i)["b"], pick(i)["V"].detach(), pick(i)["c"].detach(),
+            pick(i)["U"].detach(), s),
+    }
+    modes = {1: "fused decode kernel", 2: "fused gemm+update", 3: "fused update+gemm", 4: "fused gemm+addmm"}
+    for mode, name in modes.items():
+        if mode == 1 and M > 64:
+            continue
+        variants[name] = (lambda mode: lambda i: custom_ops._C.linear_forward(
+            pick(i)["x"], pick(i)["W"], pick(i)["b"], pick(i)["V"].detach(), pick(i)["c"].detach(),
+            pick(i)["U"].detach(), s, mode))(mode)
+    return variants
+
+
+def _backward_variants(sets: list[dict], s: float) -> dict[str, Callable[[int], object]]:
+    def pick(i):
+        return sets[i % len(sets)]
+
+    def frozen(i):
+        d = pick(i)
+        return torch.autograd.grad(F.linear(d["xg"], d["W"], d["b"]), [d["xg"]], d["g"])
+
+    def peft(i):
+        d = pick(i)
+        y = F.linear(d["xg"], d["W"], d["b"]) + (d["xg"] @ d["V"]) @ d["U"].t() * s
+        return torch.autograd.grad(y, [d["xg"], d["V"], d["U"]], d["g"])
+
+    def bem(module):
+        def run(i):
+            d = pick(i)
+            y = module.bem_linear(d["xg"], d["W"], d["b"], d["V"], d["c"], d["U"], s)
+            return torch.autograd.grad(y, [d["xg"], d["V"], d["U"], d["c"]], d["g"])
+        return run
+
+    return {"F.linear": frozen, "PEFT LoRA": peft, "BEM reference": bem(reference), "BEM fused": bem(ops)}
+
+
+def _update_variants(sets: list[dict], s: float) -> dict[str, Callable[[int], object]]:
+    def pick(i):
+        return sets[i % len(sets)]
+
+    return {
+        "update reference": lambda i: reference.generated_update(
+            pick(i)["x"], pick(i)["V"].detach(), pick(i)["c"].detach(), pick(i)["U"].detach(), s),
+        "update fused": lambda i: ops.generated_update(
+            pick(i)["x"], pick(i)["V"].detach(), pick(i)["c"].detach(), pick(i)["U"].detach(), s),
+    }
+
+
+def _time_interleaved(variants: dict[str, Callable[[int], object]], calls: int, rounds: int = 3) -> dict[str, float]:
+    replays = {name: _graph(fn, calls) for name, fn in variants.items()}
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):  # interleave: A B C A B C ...
+        for name, replay in replays.items():
+            samples[name].append(_median_ms(replay) / calls)
+    return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
+
+
+def bench_shape(M: int, K: int, N: int, r: int, copy_gbps: float, l2_bytes: int) -> dict:
+    s = 2.0
+    sets = _sets(M, K, N, r, l2_bytes)
+    calls = max(len(sets), 8 if M * N * K < 1 << 34 else len(sets))
+    fwd = _time_interleaved(_forward_variants(sets, s, M), calls)
+    bwd = _time_interleaved(_backward_variants(sets, s), calls)
+    upd = _time_interleaved(_update_variants(sets, s), calls)
+    update_bytes = 2 * (M * K + M * N + M * r + (K + N) * r)
+    return {
+        "shape": {"M": M, "K": K, "N": N, "r": r},
+        "forward_ms": fwd,
+        "forward_backward_ms": bwd,
+        "update_ms": upd,
+        "update_GBps": {k: update_bytes / v / 1e6 for k, v in upd.items()},
+        "update_pct_copy": {k: 100 * update_bytes / v / 1e6 / copy_gbps for k, v in upd.items()},
+    }
+
+
+def format_table(result: dict) -> str:
+    shp = result["shape"]
+    lines = [f"M={shp['M']} K={shp['K']} N={shp['N']} r={shp['r']}"]
+    base_f = result["forward_ms"]["F.linear"]
+    base_b = result["forward_backward_ms"]["F.linear"]
+    lines.append(f"  {'variant':<22}{'fwd us':>10}{'x F.lin':>9}{'fwd+bwd us':>12}{'x F.lin':>9}")
+    for name, ms in result["forward_ms"].items():
+        fb = result["forward_backward_ms"].get(name)
+        fb_txt = f"{fb * 1e3:>12.1f}{fb / base_b:>9.2f}" if fb is not None else ""
+        lines.append(f"  {name:<22}{ms * 1e3:>10.1f}{ms / base_f:>9.2f}{fb_txt}")
+    for name, ms in result["update_ms"].items():
+        lines.append(f"  {name:<22}{ms * 1e3:>10.1f}  {result['update_GBps'][name]:>7.0f} GB/s"
+                     f"  {result['update_pct_copy'][name]:>5.1f}% of copy")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a handful of shapes")
+    parser.add_argument("--json", help="write every number to this file")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() or not ops.KERNELS_AVAILABLE:
+        raise SystemExit("the benchmark needs a CUDA GPU and the BEM extension (bem.kernels.KERNELS_AVAILABLE)")
+    props = torch.cuda.get_device_properties(0)
+    l2_bytes = getattr(props, "L2_cache_size", 50 << 20)
+    warm_up()
+    ceil = ceilings()
+    header = (f"{props.name}, torch {torch.__version__}, bf16; copy {ceil['copy_GBps']:.0f} GB/s (read+write), "
+              f"matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s")
+    print(header, flush=True)
+    results = []
+    for M, K, N, r in SHAPES_QUICK if args.quick else SHAPES_FULL:
+        result = bench_shape(M, K, N, r, ceil["copy_GBps"], l2_bytes)
+        results.append(result)
+        print(format_table(result), flush=True)
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": props.name, "ceilings": ceil, "results": results}, f, indent=1)
+    print("\nSummary (ratios to F.linear; update alone as % of copy bandwidth)")
+    print(f"{'M':>6}{'K':>6}{'N':>6}{'r':>4}{'PEFT':>7}{'ref':>7}{'fused':>7}{'fb ref':>8}{'fb fused':>9}{'upd %cp':>9}")
+    for res in results:
+        shp, fwd, fb = res["shape"], res["forward_ms"], res["forward_backward_ms"]
+        print(f"{shp['M']:>6}{shp['K']:>6}{shp['N']:>6}{shp['r']:>4}"
+              f"{fwd['PEFT LoRA'] / fwd['F.linear']:>7.2f}{fwd['BEM reference'] / fwd['F.linear']:>7.2f}"
+              f"{fwd['BEM fused'] / fwd['F.linear']:>7.2f}{fb['BEM reference'] / fb['F.linear']:>8.2f}"
+              f"{fb['BEM fused'] / fb['F.linear']:>9.2f}{res['update_pct_copy']['update fused']:>9.1f}")
+    print(header)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+// Torch bindings of the BEM kernels: argument checks (before any launch), allocation, and the choice
+// between the decode kernel and the GEMM + update paths. Exposed to Python as bem._C.
+#include <torch/extension.h>
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <climits>
+#include <mutex>
+#include <vector>
+
+#include "launchers.h"
+
+namespace bem {
+namespace {
+
+using at::Tensor;
+using OptTensor = c10::optional<Tensor>;
+
+// How bem_linear_forward composes x W^T with the update (mode argument; 0 picks by shape).
+enum LinearMode : int64_t {
+  kAuto = 0,
+  kDecode = 1,           // one kernel: W read once, split-K (M <= 64, fp16/bf16)
+  kGemmThenUpdate = 2,   // cuBLAS x W^T + b, then the update kernel accumulates into Y
+  kUpdateThenGemm = 3,   // update kernel writes update + b, then cuBLAS adds x W^T (beta = 1)
+  kGemmThenAddmm = 4,    // update kernel computes only X V; cuBLAS adds (s X V ⊙ c) U^T (beta = 1)
+};
+// Chosen by measurement at prefill sizes (docs/kernels.md).
+constexpr LinearMode kPrefillMode = kGemmThenUpdate;
+
+DType dtype_of(const Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kHalf: return DType::kHalf;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kFloat: return DType::kFloat;
+    case at::kDouble: return DType::kDouble;
+    default: TORCH_CHECK(false, "bem: unsupported dtype ", t.scalar_type(), " (expected float16, bfloat16, float32 or float64)");
+  }
+}
+
+bool tensor_core_dtype(const Tensor& t) { return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16; }
+
+void check_like(const Tensor& t, const char* name, const Tensor& x) {
+  TORCH_CHECK(t.device() == x.device(), "bem: ", name, " is on ", t.device(), " but x is on ", x.device());
+  TORCH_CHECK(t.scalar_type() == x.scalar_type(), "bem: ", name, " has dtype ", t.scalar_type(), " but x has ",
+              x.scalar_type());
+}
+
+void check_contiguous(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_contiguous(), "bem: ", name, " must be contiguous; got sizes ", t.sizes(), " strides ",
+              t.strides());
+}
+
+// x: (M, K), V: (K, r), codes: (M, r) or None, U: (N, r).
+void check_update_operands(const Tensor& x, const Tensor& V, const OptTensor& codes, const Tensor& U) {
+  TORCH_CHECK(x.is_cuda(), "bem: x must be a CUDA tensor, got one on ", x.device());
+  TORCH_CHECK(x.dim() == 2, "bem: x must be 2-D (M, K), got shape ", x.sizes());
+  TORCH_CHECK(V.dim() == 2, "bem: V must be 2-D (K, r), got shape ", V.sizes());
+  TORCH_CHECK(U.dim() == 2, "bem: U must be 2-D (N, r), got shape ", U.sizes());
+  dtype_of(x);
+  check_like(V, "V", x);
+  check_like(U, "U", x);
+  check_contiguous(x, "x");
+  check_contiguous(V, "V");
+  check_contiguous(U, "U");
+  TORCH_CHECK(V.size(0) == x.size(1), "bem: V has ", V.size(0), " rows but x has K = ", x.size(1), " features");
+  TORCH_CHECK(U.size(1) == V.size(1), "bem: U has rank ", U.size(1), " but V has rank ", V.size(1));
+  TORCH_CHECK(V.size(1) >= 1, "bem: rank must be at least 1");
+  TORCH_CHECK(x.size(0) < INT_MAX && x.size(1) < INT_MAX && U.size(0) < INT_MAX,
+              "bem: dimensions must be below 2^31, got x ", x.sizes(), " and U ", U.sizes());
+  if (tensor_core_dtype(x)) {
+    TORCH_CHECK(V.size(1) <= kMaxFusedRank, "bem: rank ", V.size(1), " exceeds the kernels' maximum of ",
+                kMaxFusedRank, " for ", x.scalar_type());
+  }
+  if (codes.has_value()) {
+    const Tensor& c = *codes;
+    check_like(c, "codes", x);
+    check_contiguous(c, "codes");
+    TORCH_CHECK(c.dim() == 2 && c.size(0) == x.size(0) && c.size(1) == V.size(1), "bem: codes must be (M, r) = (",
+                x.size(0), ", ", V.size(1), "), got ", c.sizes());
+  }
+}
+
+at::ScalarType p_dtype(const Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+
+cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+int num_sms(int device) {
+  static std::mutex lock;
+  static std::vector<int> cache;
+  std::lock_guard<std::mutex> guard(lock);
+  if (device >= (int)cache.size()) cache.resize(device + 1, 0);
+  if (cache[device] == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&cache[device], cudaDevAttrMultiProcessorCount, device));
+  }
+  return cache[device];
+}
+
+// Y (=|+=) s ((A B) ⊙ codes) U^T (+ bias); returns P = A B.
+Tensor run_update(const Tensor& A, const Tensor& B, const OptTensor& codes, const Tensor* U, const Tensor* bias,
+                  Tensor* Y, double scale, bool accumulate) {
+  const int64_t M = A.size(0), r = B.size(1);
+  Tensor P = at::empty({M, r}, A.options().dtype(p_dtype(A)));
+  if (M == 0) return P;
+  LowRankArgs args{};
+  args.A = A.data_ptr();
+  args.B = B.data_ptr();
+  args.codes = codes.has_value() ? codes->data_ptr() : nullptr;
+  args.U = U ? U->data_ptr() : nullptr;
+  args.bias = bias ? bias->data_ptr() : nullptr;
+  args.Y = Y ? Y->data_ptr() : nullptr;
+  args.P = P.data_ptr();
+  args.M = (int)M;
+  args.L = (int)A.size(1);
+  args.N = U ? (int)U->size(0) : 0;
+  args.r = (int)r;
+  args.scale = scale;
+  args.expand = Y != nullptr;
+  args.accumulate = accumulate;
+  C10_CUDA_CHECK(launch_lowrank_update(dtype_of(A), args, stream()));
+  return P;
+}
+
+std::tuple<Tensor, Tensor> update_forward(const Tensor& x, const Tensor& V, const OptTensor& codes, const Tensor& U,
+                                          double scale) {
+  check_update_operands(x, V, codes, U);
+  const c10::cuda::CUDAGuard guard(x.device());
+  Tensor Y = at::empty({x.size(0), U.size(0)}, x.options());
+  Tensor P = run_update(x, V, codes, &U, nullptr, &Y, scale, /*accumulate=*/false);
+  return {Y, P};
+}
+
+// P = A B (fp32; fp64 for double), A: (M, L), B: (L, r). The backward's dY U.
+Tensor project(const Tensor& A, const Tensor& B) {
+  check_update_operands(A, B, c10::nullopt, B);
+  const c10::cuda::CUDAGuard guard(A.device());
+  return run_update(A, B, c10::nullopt, nullptr, nullptr, nullptr, 1.0, false);
+}
+
+bool weight_is_transposed(const Tensor& W) {
+  return W.size(0) > 1 && W.size(1) > 1 ? (W.stride(0) == 1 && W.stride(1) == W.size(0)) : false;
+}
+
+void check_weight(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& U) {
+  check_like(weight, "weight", x);
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == U.size(0) && weight.size(1) == x.size(1),
+              "bem: weight must be (N, K) = (", U.size(0), ", ", x.size(1), "), got ", weight.sizes());
+  TORCH_CHECK(weight.is_contiguous() || weight_is_transposed(weight),
+              "bem: weight must be row-major (N, K) or the transpose of a row-major (K, N) tensor; got strides ",
+              weight.strides());
+  if (bias.has_value()) {
+    check_like(*bias, "bias", x);
+    check_contiguous(*bias, "bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == U.size(0), "bem: bias must be (N,) = (", U.size(0),
+                ",), got ", bias->sizes());
+  }
+}
+
+Tensor base_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias) {
+  // weight.t() is (K, N); cuBLAS reads either layout without a copy.
+  return bias.has_value() ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t());
+}
+
+std::tuple<Tensor, Tensor> linear_forward(const Tensor& x, const Tensor& weight, const OptTensor& bias,
+                                          const Tensor& V, const OptTensor& codes, const Tensor& U, double scale,
+                                          int64_t mode, int64_t split_k) {
+  check_update_operands(x, V, codes, U);
+  check_weight(x, weight, bias, U);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t M = x.size(0), N = U.size(0), K = x.size(1), r = V.size(1);
+  const bool fits_decode = tensor_core_dtype(x) && M >= 1 && M <= kDecodeMaxTokens &&
+                           (N + kDecodeTileN - 1) / kDecodeTileN <= kMaxDecodeTiles;
+  if (mode == kAuto) mode = fits_decode ? kDecode : kPrefillMode;
+  TORCH_CHECK(mode >= kDecode && mode <= kGemmThenAddmm, "bem: unknown linear mode ", mode);
+  if (!tensor_core_dtype(x) || M == 0) mode = kGemmThenUpdate;  // float/double: cuBLAS + simple kernels
+  const Tensor* bias_ptr = bias.has_value() ? &*bias : nullptr;
+
+  if (mode == kDecode) {
+    TORCH_CHECK(fits_decode, "bem: the decode kernel takes 1..", kDecodeMaxTokens,
+                " float16/bfloat16 tokens, got M = ", M, " of ", x.scalar_type());
+    const int split = decode_split_k((int)M, (int)N, (int)K, num_sms(x.get_device()), (int)split_k);
+    Tensor Y = at::empty({M, N}, x.options());
+    Tensor P = at::empty({M, r}, x.options().dtype(at::kFloat));
+    Tensor ws = at::empty({split > 1 ? split * M * N : 0}, x.options().dtype(at::kFloat));
+    Tensor ws_p = at::empty({split > 1 ? split * M * r : 0}, x.options().dtype(at::kFloat));
+    DecodeArgs args{};
+    args.X = x.data_ptr();
+    args.W = weight.data_ptr();
+    args.bias = bias_ptr ? bias_ptr->data_ptr() : nullptr;
+    args.V = V.data_ptr();
+    args.codes = codes.has_value() ? codes->data_ptr() : nullptr;
+    args.U = U.data_ptr();
+    args.Y = Y.data_ptr();
+    args.P = P.data_ptr<float>();
+    args.ws = split > 1 ? ws.data_ptr<float>() : nullptr;
+    args.ws_p = split > 1 ? ws_p.data_ptr<float>() : nullptr;
+    args.M = (int)M;
+    args.N = (int)N;
+    args.K = (int)K;
+    args.r = (int)r;
+    args.scale = (float)scale;
+    args.w_transposed = !weight.is_contiguous();
+    args.split_k = split;
+    args.k_per_split = decode_k_per_split((int)K, split);
+    C10_CUDA_CHECK(launch_decode_linear(dtype_of(x), args, stream()));
+    return {Y, P};
+  }
+  if (mode == kGemmThenUpdate) {
+    Tensor Y = base_linear(x, weight, bias);
+    Tensor P = run_update(x, V, codes, &U, nullptr, &Y, scale, /*accumulate=*/true);
+    return {Y, P};
+  }
+  if (mode == kUpdateThenGemm) {
+    Tensor Y = at::empty({M, N}, x.options());
+    Tensor P = run_update(x, V, codes, &U, bias_ptr, &Y, scale, /*accumulate=*/false);
+    Y.addmm_(x, weight.t());
+    return {Y, P};
+  }
+  // kGemmThenAddmm
+  Tensor P = run_update(x, V, codes, nullptr, nullptr, nullptr, 1.0, false);
+  Tensor Pc = (codes.has_value() ? P * codes->to(at::kFloat) : P) * scale;  // P itself is kept for backward
+  Tensor Y = base_linear(x, weight, bias);
+  Y.addmm_(Pc.to(x.scalar_type()), U.t());
+  return {Y, P};
+}
+
+}  // namespace
+}  // namespace bem
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "BEM fused generated-update kernels";
+  m.def("update_forward", &bem::update_forward, "(Y, P) = (s ((x V) ⊙ codes) U^T, x V)", py::arg("x"),
+        py::arg("V"), py::arg("codes"), py::arg("U"), py::arg("scaling"));
+  m.def("project", &bem::project, "A B in float32 (float64 for double inputs)", py::arg("A"), py::arg("B"));
+  m.def("linear_forward", &bem::linear_forward, "(Y, P) = (x W^T + b + s ((x V) ⊙ codes) U^T, x V)",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("V"), py::arg("codes"), py::arg("U"),
+        py::arg("scaling"), py::arg("mode") = 0, py::arg("split_k") = 0);
+  m.attr("DECODE_MAX_TOKENS") = bem::kDecodeMaxTokens;
+  m.attr("MAX_FUSED_RANK") = bem::kMaxFusedRank;
+}

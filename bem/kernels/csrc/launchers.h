@@ -1,0 +1,60 @@
+// Host-side entry points of the kernels, in plain CUDA types (the torch bindings live in bindings.cpp).
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace bem {
+
+enum class DType { kHalf, kBFloat16, kFloat, kDouble };
+
+// Largest rank the tensor-core kernels take (r is padded up to 16, 32, 64 or 128).
+constexpr int kMaxFusedRank = 128;
+// The decode kernel handles up to this many tokens; its split-K tile counters bound N.
+constexpr int kDecodeMaxTokens = 64;
+constexpr int kDecodeTileN = 128;
+constexpr int kMaxDecodeTiles = 4096;
+
+// Y (=|+=) s * ((A B) ⊙ codes) U^T (+ bias), and P = A B in fp32 (fp64 for double).
+// A: M x L, B: L x r, codes: M x r or null, U: N x r, Y: M x N, P: M x r. With expand false only P
+// is written (Y, U, bias unused): this is the projection `dY U` of the backward.
+struct LowRankArgs {
+  const void* A;
+  const void* B;
+  const void* codes;
+  const void* U;
+  const void* bias;
+  void* Y;
+  void* P;
+  int M, L, N, r;
+  double scale;
+  bool expand;
+  bool accumulate;
+};
+cudaError_t launch_lowrank_update(DType dtype, const LowRankArgs& args, cudaStream_t stream);
+
+// Y = X W^T + b + s * ((X V) ⊙ codes) U^T for M <= kDecodeMaxTokens, one launch that reads W once.
+// W is N x K row-major, or (w_transposed) the N x K view of a row-major K x N buffer. Split-K
+// partials go to ws (split_k x M x N fp32) and ws_p (split_k x M x r fp32) when split_k > 1.
+struct DecodeArgs {
+  const void* X;
+  const void* W;
+  const void* bias;
+  const void* V;
+  const void* codes;
+  const void* U;
+  void* Y;
+  float* P;
+  float* ws;
+  float* ws_p;
+  int M, N, K, r;
+  float scale;
+  bool w_transposed;
+  int split_k;
+  int k_per_split;
+};
+// Split-K factor for the decode kernel: enough blocks to keep every multiprocessor streaming W.
+int decode_split_k(int M, int N, int K, int num_sms, int requested);
+int decode_k_per_split(int K, int split_k);
+cudaError_t launch_decode_linear(DType dtype, const DecodeArgs& args, cudaStream_t stream);
+
+}  // namespace bem

@@ -1,0 +1,131 @@
+"""The kernels as `torch.library` custom ops: fake (meta) implementations for `torch.compile`, and
+autograd formulas. Ops are registered whether or not the extension loaded; only running them needs it.
+
+    bem::fused_generated_update(x, V, codes, U, s) -> (s ((x V) ⊙ codes) U^T, x V)
+    bem::fused_bem_linear(x, W, b, V, codes, U, s) -> (x W^T + b + s ((x V) ⊙ codes) U^T, x V)
+    bem::lowrank_project(a, b)                     -> a b            (the backward's dY U)
+
+x is (M, K), V (K, r), U (N, r), codes (M, r) or None, W (N, K) (row-major or a transposed view).
+The second output, x V in float32 (float64 for float64 inputs), is what the backward reuses.
+Backward: with G = dY U,
+    dX = dY W + s (G ⊙ c) V^T,  dV = s X^T (G ⊙ c),  dU = s dY^T (P ⊙ c),  dcodes = s G ⊙ P.
+W and b are frozen: no dW, no db.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .loader import load_extension
+
+_C: Optional[ModuleType] = load_extension()
+
+
+def _extension() -> ModuleType:
+    if _C is None:
+        raise RuntimeError("the BEM CUDA extension is not loaded; bem.kernels.ops routes such calls to the reference")
+    return _C
+
+
+def _p_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("bem::fused_generated_update", mutates_args=())
+def fused_generated_update(
+    x: Tensor, V: Tensor, codes: Optional[Tensor], U: Tensor, scaling: float
+) -> tuple[Tensor, Tensor]:
+    return tuple(_extension().update_forward(x, V, codes, U, scaling))
+
+
+@torch.library.custom_op("bem::fused_bem_linear", mutates_args=())
+def fused_bem_linear(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], V: Tensor, codes: Optional[Tensor], U: Tensor, scaling: float
+) -> tuple[Tensor, Tensor]:
+    return tuple(_extension().linear_forward(x, weight, bias, V, codes, U, scaling))
+
+
+@torch.library.custom_op("bem::lowrank_project", mutates_args=())
+def lowrank_project(a: Tensor, b: Tensor) -> Tensor:
+    return _extension().project(a, b)
+
+
+@fused_generated_update.register_fake
+def _(x, V, codes, U, scaling):
+    return x.new_empty(x.shape[0], U.shape[0]), x.new_empty(x.shape[0], V.shape[1], dtype=_p_dtype(x))
+
+
+@fused_bem_linear.register_fake
+def _(x, weight, bias, V, codes, U, scaling):
+    return x.new_empty(x.shape[0], U.shape[0]), x.new_empty(x.shape[0], V.shape[1], dtype=_p_dtype(x))
+
+
+@lowrank_project.register_fake
+def _(a, b):
+    return a.new_empty(a.shape[0], b.shape[1], dtype=_p_dtype(a))
+
+
+def lowrank_backward(
+    grad_y: Tensor,
+    x: Tensor,
+    V: Tensor,
+    codes: Optional[Tensor],
+    U: Tensor,
+    P: Tensor,
+    scaling: float,
+    weight: Optional[Tensor],
+    needs: tuple[bool, bool, bool, bool],
+) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """(dX, dV, dcodes, dU) for the update (plus dY W when `weight` is given); `needs` in that order."""
+    need_x, need_v, need_codes, need_u = needs
+    dtype = x.dtype
+    grad_y = grad_y.contiguous()
+    dx = dv = dcodes = du = None
+    if need_x or need_v or need_codes:
+        G = lowrank_project(grad_y, U)  # (M, r), fp32: one pass over dY
+        Gc = G if codes is None else G * codes.to(G.dtype)
+        if need_x:
+            low = (Gc * scaling).to(dtype)
+            dx = low @ V.t() if weight is None else torch.addmm(grad_y @ weight, low, V.t())
+        if need_v:
+            dv = x.t() @ (Gc * scaling).to(dtype)
+        if need_codes:
+            dcodes = (G * P * scaling).to(dtype)
+    if need_u:
+        Pc = P if codes is None else P * codes.to(P.dtype)
+        du = grad_y.t() @ (Pc * scaling).to(dtype)
+    return dx, dv, dcodes, du
+
+
+def _setup_update(ctx, inputs, output) -> None:
+    x, V, codes, U, scaling = inputs
+    ctx.save_for_backward(x, V, codes, U, output[1])
+    ctx.scaling = scaling
+
+
+def _backward_update(ctx, grad_y, _grad_p):
+    x, V, codes, U, P = ctx.saved_tensors
+    n = ctx.needs_input_grad
+    dx, dv, dcodes, du = lowrank_backward(grad_y, x, V, codes, U, P, ctx.scaling, None, (n[0], n[1], n[2], n[3]))
+    return dx, dv, dcodes, du, None
+
+
+def _setup_linear(ctx, inputs, output) -> None:
+    x, weight, _bias, V, codes, U, scaling = inputs
+    ctx.save_for_backward(x, weight, V, codes, U, output[1])
+    ctx.scaling = scaling
+
+
+def _backward_linear(ctx, grad_y, _grad_p):
+    x, weight, V, codes, U, P = ctx.saved_tensors
+    n = ctx.needs_input_grad
+    dx, dv, dcodes, du = lowrank_backward(grad_y, x, V, codes, U, P, ctx.scaling, weight, (n[0], n[3], n[4], n[5]))
+    return dx, None, None, dv, dcodes, du, None
+
+
+fused_generated_update.register_autograd(_backward_update, setup_context=_setup_update)
+fused_bem_linear.register_autograd(_backward_linear, setup_context=_setup_linear)

@@ -1,0 +1,49 @@
+"""Shared checks for the GPU kernel tests: float64 references and error bounds relative to PyTorch."""
+
+from __future__ import annotations
+
+import torch
+
+from bem.kernels import reference
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN or inf anywhere gives inf, so it never passes."""
+    out64 = out.detach().double()
+    if not torch.isfinite(out64).all():
+        return float("inf")
+    return ((out64 - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def bound(torch_err: float, dtype: torch.dtype) -> float:
+    """The kernel may err at most 2x what plain PyTorch errs in the same dtype (floored at eps/4)."""
+    return 2.0 * max(torch_err, torch.finfo(dtype).eps / 4)
+
+
+def poison_allocator(device: torch.device, numel: int) -> None:
+    """Fill freed cached blocks with NaN so outputs the op allocates start as NaN, not stale numbers."""
+    junk = torch.full((numel * 4 + 4096,), float("nan"), device=device, dtype=torch.float32)
+    del junk
+
+
+def operands(M: int, K: int, N: int, r: int, dtype: torch.dtype, codes: bool, seed: int, lead=None):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shape = (M,) if lead is None else lead
+    x = torch.randn(*shape, K, device="cuda", generator=g).to(dtype)
+    V = (torch.randn(K, r, device="cuda", generator=g) / K**0.5).to(dtype)
+    U = torch.randn(N, r, device="cuda", generator=g).to(dtype)
+    c = (1 + 0.5 * torch.randn(*shape, r, device="cuda", generator=g)).to(dtype) if codes else None
+    W = (torch.randn(N, K, device="cuda", generator=g) / K**0.5).to(dtype)
+    b = torch.randn(N, device="cuda", generator=g).to(dtype)
+    return x, W, b, V, c, U
+
+
+def update_ref64(x, V, c, U, s):
+    return reference.generated_update(x.double(), V.double(), None if c is None else c.double(), U.double(), s)
+
+
+def linear_ref64(x, W, b, V, c, U, s):
+    return reference.bem_linear(
+        x.double(), W.double(), None if b is None else b.double(), V.double(),
+        None if c is None else c.double(), U.double(), s,
+    )

@@ -1,0 +1,67 @@
+"""Bad input to the extension is refused before any launch, with a message naming the problem."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bem.kernels import custom_ops, ops
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not ops.KERNELS_AVAILABLE, reason="BEM CUDA extension not loaded"),
+]
+
+
+def _args(dtype=torch.bfloat16):
+    x = torch.randn(4, 32, device="cuda", dtype=dtype)
+    V = torch.randn(32, 8, device="cuda", dtype=dtype)
+    U = torch.randn(16, 8, device="cuda", dtype=dtype)
+    return x, V, U
+
+
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (lambda x, V, U: (x.t().contiguous().t(), V, U), "x must be contiguous"),
+        (lambda x, V, U: (x, V.float(), U), "V has dtype"),
+        (lambda x, V, U: (x, V, U[:, :4].contiguous()), "U has rank"),
+        (lambda x, V, U: (x, V[:31].contiguous(), U), "V has 31 rows"),
+        (lambda x, V, U: (x.cpu(), V, U), "x must be a CUDA tensor"),
+        (lambda x, V, U: (x, V, U.cpu()), "U is on cpu"),
+        (lambda x, V, U: (x.to(torch.int32), V, U), "unsupported dtype"),
+        (lambda x, V, U: (x[None], V, U), "x must be 2-D"),
+    ],
+)
+def test_update_forward_rejects(mutate, message):
+    x, V, U = mutate(*_args())
+    with pytest.raises(RuntimeError, match=message):
+        custom_ops._C.update_forward(x, V, None, U, 1.0)
+
+
+def test_linear_forward_rejects_bad_weight_layout_and_rank():
+    x, V, U = _args()
+    W = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)[:, ::2]
+    with pytest.raises(RuntimeError, match="weight must be row-major"):
+        custom_ops._C.linear_forward(x, W, None, V, None, U, 1.0)
+    with pytest.raises(RuntimeError, match="exceeds the kernels' maximum"):
+        big = torch.randn(32, 129, device="cuda", dtype=torch.bfloat16)
+        custom_ops._C.update_forward(x, big, None, torch.randn(16, 129, device="cuda", dtype=torch.bfloat16), 1.0)
+    with pytest.raises(RuntimeError, match="codes must be"):
+        custom_ops._C.update_forward(x, V, torch.randn(3, 8, device="cuda", dtype=torch.bfloat16), U, 1.0)
+    with pytest.raises(RuntimeError, match="decode kernel takes"):
+        custom_ops._C.linear_forward(torch.randn(65, 32, device="cuda", dtype=torch.bfloat16),
+                                     torch.randn(16, 32, device="cuda", dtype=torch.bfloat16), None, V, None, U, 1.0, 1)
+
+
+def test_dispatch_handles_what_the_kernels_refuse():
+    """Rank over 128 and a strided weight reach the reference or a copy, never a refused launch."""
+    x = torch.randn(3, 32, device="cuda", dtype=torch.bfloat16)
+    V = torch.randn(32, 130, device="cuda", dtype=torch.bfloat16)
+    U = torch.randn(16, 130, device="cuda", dtype=torch.bfloat16)
+    assert ops.fused_unavailable_reason(x, V) is not None
+    assert ops.generated_update(x, V, None, U, 1.0).shape == (3, 16)
+    W = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)[:, ::2]
+    V8, U8 = V[:, :8].contiguous(), U[:, :8].contiguous()
+    out = ops.bem_linear(x, W, None, V8, None, U8, 1.0)
+    assert torch.allclose(out.float(), (x @ W.t() + (x @ V8) @ U8.t()).float(), rtol=3e-2, atol=3e-2)

@@ -1,0 +1,136 @@
+"""The kernel dispatch point on the CPU: which path runs, every error message, the fake ops, the build switch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bem import kernels
+from bem.kernels import ops, reference
+
+
+def _operands(dtype=torch.float32, lead=(2, 3), K=16, N=8, r=4):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*lead, K, generator=g).to(dtype)
+    W = torch.randn(N, K, generator=g).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype)
+    V = torch.randn(K, r, generator=g).to(dtype)
+    U = torch.randn(N, r, generator=g).to(dtype)
+    c = torch.randn(*lead, r, generator=g).to(dtype)
+    return x, W, b, V, c, U
+
+
+def test_kernels_available_is_a_bool_and_false_without_cuda():
+    assert isinstance(kernels.KERNELS_AVAILABLE, bool)
+    if not torch.cuda.is_available():
+        assert kernels.KERNELS_AVAILABLE is False
+
+
+def test_cpu_tensors_take_the_reference_and_say_why():
+    x, W, b, V, c, U = _operands()
+    reason = ops.fused_unavailable_reason(x, V, use_fused=True)
+    assert reason is not None and ("not loaded" in reason or "cpu" in reason)
+    assert ops.fused_unavailable_reason(x, V, use_fused=False) == "use_fused is False"
+    assert torch.equal(ops.bem_linear(x, W, b, V, c, U, 0.5), reference.bem_linear(x, W, b, V, c, U, 0.5))
+    assert torch.equal(ops.generated_update(x, V, None, U, 0.5), reference.generated_update(x, V, None, U, 0.5))
+
+
+def test_reference_is_the_maths_of_design():
+    x, W, b, V, c, U = _operands(torch.float64)
+    expected = x @ W.t() + b + 0.5 * ((x @ V) * c) @ U.t()
+    assert torch.allclose(ops.bem_linear(x, W, b, V, c, U, 0.5), expected)
+    assert torch.allclose(ops.generated_update(x, V, None, U, 2.0), 2.0 * (x @ V) @ U.t())
+
+
+def test_transposed_weight_view_is_accepted():
+    x, W, b, V, c, U = _operands()
+    conv_weight = W.t().contiguous()  # how GPT-2 Conv1D stores it: (K, N)
+    out = ops.bem_linear(x, conv_weight.t(), b, V, c, U, 1.0)
+    assert torch.allclose(out, reference.bem_linear(x, W, b, V, c, U, 1.0))
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda a: {**a, "V": a["V"][None]}, "V and U must be 2-D"),
+        (lambda a: {**a, "U": a["U"][:, :3]}, "rank mismatch"),
+        (lambda a: {**a, "x": a["x"][..., :15]}, "input has 15 features"),
+        (lambda a: {**a, "codes": a["codes"][..., :3]}, "codes must have shape"),
+        (lambda a: {**a, "W": a["W"][:, :15]}, "weight must be"),
+        (lambda a: {**a, "b": a["b"][:7]}, "bias must be"),
+        (lambda a: {**a, "V": a["V"].double()}, "V has dtype torch.float64"),
+        (lambda a: {**a, "codes": a["codes"].double()}, "codes has dtype"),
+        (lambda a: {**a, "W": a["W"].double()}, "weight has dtype"),
+        (lambda a: {**a, "U": a["U"].to("meta")}, "U is on meta"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(change, message):
+    x, W, b, V, c, U = _operands()
+    args = change({"x": x, "W": W, "b": b, "V": V, "codes": c, "U": U})
+    with pytest.raises(ValueError, match=message):
+        ops.bem_linear(args["x"], args["W"], args["b"], args["V"], args["codes"], args["U"], 1.0)
+
+
+def test_generated_update_checks_too():
+    x, _, _, V, c, U = _operands()
+    with pytest.raises(ValueError, match="input has 15 features"):
+        ops.generated_update(x[..., :15], V, c, U, 1.0)
+    with pytest.raises(ValueError, match="U has dtype"):
+        ops.generated_update(x, V, c, U.half(), 1.0)
+
+
+def test_dispatch_reasons_for_cases_the_kernels_do_not_take(monkeypatch):
+    monkeypatch.setattr(ops, "KERNELS_AVAILABLE", True)
+    x, W, b, V, c, U = _operands()
+    assert "on cpu" in ops.fused_unavailable_reason(x, V)
+    meta = lambda t: t.to("meta")  # noqa: E731 - device-only stand-in for a CUDA tensor's dispatch facts
+    xm = meta(x)
+    assert xm.device.type == "meta" and "meta" in ops.fused_unavailable_reason(xm, meta(V))
+
+
+def test_fake_implementations_give_shapes_and_dtypes():
+    from bem.kernels import custom_ops  # noqa: F401 - registers the ops
+
+    x = torch.empty(6, 16, device="meta", dtype=torch.bfloat16)
+    W = torch.empty(8, 16, device="meta", dtype=torch.bfloat16)
+    V = torch.empty(16, 4, device="meta", dtype=torch.bfloat16)
+    U = torch.empty(8, 4, device="meta", dtype=torch.bfloat16)
+    y, p = torch.ops.bem.fused_bem_linear(x, W, None, V, None, U, 1.0)
+    assert y.shape == (6, 8) and y.dtype == torch.bfloat16 and p.shape == (6, 4) and p.dtype == torch.float32
+    y, p = torch.ops.bem.fused_generated_update(x, V, None, U, 1.0)
+    assert y.shape == (6, 8) and p.dtype == torch.float32
+    p = torch.ops.bem.lowrank_project(x.double(), V.double())
+    assert p.shape == (6, 4) and p.dtype == torch.float64
+
+
+def test_running_an_op_without_the_extension_says_so():
+    from bem.kernels import custom_ops
+
+    if custom_ops._C is not None:
+        pytest.skip("the extension is loaded here")
+    x, _, _, V, _, U = _operands(lead=(3,))
+    with pytest.raises(RuntimeError, match="extension is not loaded"):
+        torch.ops.bem.fused_generated_update(x, V, None, U, 1.0)
+
+
+def test_compile_fullgraph_through_the_dispatch_on_cpu():
+    x, W, b, V, c, U = _operands()
+    compiled = torch.compile(lambda x, c: ops.bem_linear(x, W, b, V, c, U, 0.5), fullgraph=True, backend="eager")
+    assert torch.allclose(compiled(x, c), reference.bem_linear(x, W, b, V, c, U, 0.5))
+
+
+def test_setup_skips_the_extension_when_told(tmp_path):
+    """BEM_BUILD_CUDA=0 gives a pure-Python package description (no ext_modules)."""
+    code = (
+        "import os, runpy, setuptools\n"
+        "seen = {}\n"
+        "setuptools.setup = lambda **kw: seen.update(kw)\n"
+        "os.environ['BEM_BUILD_CUDA'] = '0'\n"
+        "runpy.run_path('setup.py')\n"
+        "assert 'ext_modules' not in seen, seen.keys()\n"
+        "assert seen['name'] == 'bem'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
