@@ -138,7 +138,8 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     values = {}
     for key, value in data.items():
         if key not in specs:
-            raise ProfileConfigError(f"unknown key '{prefix}{key}'{closest_name(str(key), specs)}")
+            hint = closest_name(str(key), specs).replace(" '", f" '{prefix}", 1)
+            raise ProfileConfigError(f"unknown key '{prefix}{key}'{hint}")
         nested = _SECTIONS.get(specs[key].type) if isinstance(specs[key].type, str) else None
         values[key] = _build(nested, value, f"{prefix}{key}.") if nested is not None else value
     if cls is ModelSpec and values.get("path") is not None and "config" not in values:
