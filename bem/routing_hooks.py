@@ -4,12 +4,13 @@
   whether it continues a KV cache (and the routing state stored with that cache), side signals.
 - A pre-hook on the first block captures the hidden states entering it (the embedding output) and
   runs the controller once per call, writing the codes into the shared `RoutingContext`.
-- A post-hook on the whole model stores the advanced routing state on the returned cache object, so
-  the state follows the cache through `generate`, including beam-search reordering.
+- A post-hook on the whole model stores the advanced routing state on the returned cache object
+  (`cache_state`), so the state follows the cache through `generate`, beam-search reordering included.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -18,10 +19,8 @@ import torch
 import torch.nn as nn
 
 from .modules.bem_linear import RoutingContext
+from . import cache_state
 from .modules.controller import HierarchicalController, RoutingState
-
-STATE_ATTR = "_bem_routing_state"
-
 
 def _keep(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
@@ -39,47 +38,17 @@ class CallInfo:
     new_state: Optional[RoutingState] = None
 
 
-def _cache_length(cache: Any) -> int:
+def _cache_length(cache: Any) -> Optional[int]:
+    """Positions held by a cache, when that can be read without a device sync; None otherwise."""
     if cache is None:
         return 0
+    if getattr(cache, "is_compileable", False):
+        return None  # static caches count filled slots on the device
     if hasattr(cache, "get_seq_length"):
         return int(cache.get_seq_length())
     if isinstance(cache, (tuple, list)) and cache and cache[0] is not None:
         return int(cache[0][0].shape[-2])  # legacy tuple-of-tuples cache
     return 0
-
-
-def _install_cache_reorder(cache: Any) -> None:
-    """Wrap this cache object's batch-reordering methods so its routing state follows the rows."""
-    if getattr(cache, "_bem_reorder_installed", False):
-        return
-    for method_name, state_fn in (
-        ("reorder_cache", lambda state, idx: state.index_select(idx)),
-        ("batch_select_indices", lambda state, idx: state.index_select(idx)),
-        ("batch_repeat_interleave", lambda state, n: state.repeat_interleave(n)),
-    ):
-        original = getattr(cache, method_name, None)
-        if original is None:
-            continue
-
-        def wrapped(arg, _original=original, _state_fn=state_fn):
-            result = _original(arg)
-            state = getattr(cache, STATE_ATTR, None)
-            if state is not None:
-                setattr(cache, STATE_ATTR, _state_fn(state, arg))
-            return result
-
-        setattr(cache, method_name, wrapped)
-    original_crop = getattr(cache, "crop", None)
-    if original_crop is not None:
-
-        def crop(max_length, _original=original_crop):
-            # the routing state cannot be rewound; a cropped cache must not be continued with stale codes
-            setattr(cache, STATE_ATTR, None)
-            return _original(max_length)
-
-        cache.crop = crop
-    cache._bem_reorder_installed = True
 
 
 class RoutingHooks:
@@ -93,7 +62,11 @@ class RoutingHooks:
         self.call: Optional[CallInfo] = None
         self.pending_side_signals: Optional[torch.Tensor] = None
         self.last_levels: Optional[dict] = None
-        self._signature = inspect.signature(model.forward)
+        self._positional_names = [
+            name for name, parameter in inspect.signature(model.forward).parameters.items()
+            if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)
+        ]
+        cache_state.install()
         self._handles = [
             model.register_forward_pre_hook(self._before_model, with_kwargs=True),
             first_block.register_forward_pre_hook(self._before_first_block, with_kwargs=True),
@@ -103,16 +76,13 @@ class RoutingHooks:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+        cache_state.install()
         self._handles = []
 
     # ------------------------------------------------------------------ hooks
     def _bound_arguments(self, args: tuple, kwargs: dict) -> dict:
-        try:
-            bound = self._signature.bind_partial(*args, **kwargs)
-        except TypeError:
-            return dict(kwargs)
-        arguments = dict(bound.arguments)
-        arguments.update(arguments.pop("kwargs", {}) or {})
+        arguments = dict(zip(self._positional_names, args))
+        arguments.update(kwargs)
         return arguments
 
     def _before_model(self, module: nn.Module, args: tuple, kwargs: dict):
@@ -128,6 +98,7 @@ class RoutingHooks:
             raise ValueError(f"input_ids must have shape (batch, sequence), got {tuple(input_ids.shape)}")
         batch, new_tokens = tokens.shape[0], tokens.shape[1]
         cache = arguments.get("past_key_values")
+        state = cache_state.get_state(cache)
         past_length = _cache_length(cache)
         mask = arguments.get("attention_mask")
         if mask is not None:
@@ -140,19 +111,18 @@ class RoutingHooks:
                     f"attention_mask of shape {tuple(mask.shape)} does not cover input of shape ({batch}, {new_tokens})"
                 )
             mask = mask[:, -new_tokens:]
-        state = None
-        if past_length > 0:
-            state = getattr(cache, STATE_ATTR, None)
-            if state is None:
-                raise ValueError(
-                    "this call continues a KV cache that carries no BEM routing state (the cache was built "
-                    "without BEM, was cropped, or was copied); run the full sequence instead"
-                )
-            if state.seen_tokens != past_length or state.batch_size != batch:
-                raise ValueError(
-                    f"the BEM routing state covers {state.batch_size} sequences of {state.seen_tokens} positions "
-                    f"but the cache holds {past_length} positions for {batch} sequences"
-                )
+        if state is None and past_length:
+            raise ValueError(
+                "this call continues a KV cache that carries no BEM routing state (the cache was built "
+                "without BEM, was cropped, or was copied); run the full sequence instead"
+            )
+        if state is not None and past_length == 0:
+            state = None  # an emptied cache starts a new sequence
+        if state is not None and (state.batch_size != batch or past_length not in (None, state.seen_tokens)):
+            raise ValueError(
+                f"the BEM routing state covers {state.batch_size} sequences of {state.seen_tokens} positions "
+                f"but the cache holds {past_length} positions for {batch} sequences"
+            )
         use_cache = arguments.get("use_cache")
         config_use_cache = getattr(getattr(module, "config", None), "use_cache", False)
         want_state = bool(use_cache if use_cache is not None else config_use_cache)
@@ -173,7 +143,8 @@ class RoutingHooks:
         # Some transformers versions run block hooks inside an activation-checkpointed region. The
         # controller runs once per call, so its saved tensors must stay out of that region's
         # drop-and-recompute bookkeeping: keep them as they are.
-        with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+        keep_saved = torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        with torch.autograd.graph.saved_tensors_hooks(_keep, _keep) if keep_saved else contextlib.nullcontext():
             if call.state is None:
                 out = self.controller(hidden, call.attention_mask, call.side_signals, out_dtype=dtype,
                                       return_state=call.want_state)
@@ -193,6 +164,5 @@ class RoutingHooks:
         if cache is None and isinstance(output, tuple) and len(output) > 1:
             cache = output[1]
         if cache is not None and not isinstance(cache, (tuple, list, torch.Tensor)):
-            _install_cache_reorder(cache)
-            setattr(cache, STATE_ATTR, call.new_state)
+            cache_state.set_state(cache, call.new_state)
         return None

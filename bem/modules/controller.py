@@ -266,12 +266,11 @@ class HierarchicalController(nn.Module):
             # advance: add the token to the open chunk; close the chunk when it is full
             open_sum = open_sum + z_t * real.unsqueeze(-1)
             count = count + real.long()
-            closes = (real > 0) & (count % C == 0)
-            if bool(closes.any()):
-                summary = self.chunk_summary(torch.cat([open_sum / C, p_t], dim=-1))
-                updated = beta * chunk_ema + (1 - beta) * summary
-                chunk_ema = torch.where(closes.unsqueeze(-1), updated, chunk_ema)
-                open_sum = torch.where(closes.unsqueeze(-1), torch.zeros_like(open_sum), open_sum)
+            # computed for every row and kept where a chunk closed: no host sync, graph-capturable
+            closes = ((real > 0) & (count % C == 0)).unsqueeze(-1)
+            summary = self.chunk_summary(torch.cat([open_sum / C, p_t], dim=-1))
+            chunk_ema = torch.where(closes, beta * chunk_ema + (1 - beta) * summary, chunk_ema)
+            open_sum = torch.where(closes, torch.zeros_like(open_sum), open_sum)
         p = torch.stack(all_p, dim=1)
         chunk_ctx = torch.stack(all_ctx, dim=1)
         codes, levels = self._codes(z, p, chunk_ctx, out_dtype)
