@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from bem.profiling.cli import main
 from bem.profiling.schema import validate_report
@@ -100,3 +101,19 @@ def test_profile_py_does_not_break_the_standard_profile_module():
     result = _run(["-c", "import cProfile, profile; cProfile.run('sum(range(10))'); print(profile.Profile)"])
     assert result.returncode == 0, result.stderr
     assert "function calls" in result.stdout
+
+
+def test_profile_with_kernels_and_without_lora(tmp_path, capsys):
+    config = tmp_path / "small.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": "small", "lora": False, "prefill": {"shapes": [[1, 8]]}, "decode": {"batch_sizes": []},
+        "train": {"enabled": False}, "timing": {"warmup": 0, "repeats": 1},
+        "kernels": {"shapes": [[4, 32, 48, 4]], "run_with_profile": True}, "output_dir": str(tmp_path),
+    }))
+    assert main(["--config", str(config), "--max-overhead", "1000", "--quiet"]) == 0
+    report = json.loads((tmp_path / "small.json").read_text())
+    assert validate_report(report) == []
+    assert [s["name"] for s in report["settings"]] == ["prefill b1 s8"]
+    assert report["settings"][0]["lora"] is None and report["model"]["lora_note"] == "disabled in the config"
+    assert report["kernels"]["passed"] and len(report["kernels"]["accuracy"]) == 1
+    assert "kernel micro-benchmark" in capsys.readouterr().out

@@ -1,7 +1,8 @@
 """`bem profile` / `python profile.py`: measure BEM's overhead and fail when it is too high.
 
-Exit codes: 0 all gated overheads within --max-overhead (or kernels accurate), 1 an overhead above it
-(the failing settings are named on stderr) or a kernel accuracy failure, 2 bad arguments or config.
+Exit codes: 0 all gated overheads within --max-overhead (and kernels accurate, where measured), 1 an
+overhead above it (the failing settings are named on stderr) or a kernel accuracy failure, 2 bad
+arguments or config.
 """
 
 from __future__ import annotations
@@ -155,12 +156,16 @@ def _finish(report: dict, json_path: Optional[Path], png_path: Optional[Path], w
             log(f"chart:  {png_path}")
         except ImportError:
             print(f"{PROG}: matplotlib is not installed; no chart written (pip install matplotlib)", file=sys.stderr)
+    code = 0
     if report["failed"]:
         by_name = {s["name"]: s for s in report["settings"]}
         details = ", ".join(f"{name} ({100 * by_name[name]['bem_overhead']:+.1f}%)" for name in report["failed"])
         print(f"{PROG}: BEM overhead above {100 * report['max_overhead']:.1f}% in: {details}", file=sys.stderr)
-        return 1
-    return 0
+        code = 1
+    if report["kernels"] is not None and not report["kernels"]["passed"]:
+        print(f"{PROG}: generated_update is less accurate than tolerated (see the kernels section)", file=sys.stderr)
+        code = 1
+    return code
 
 
 def _kernels(args: argparse.Namespace, config: ProfileConfig) -> int:
@@ -169,7 +174,7 @@ def _kernels(args: argparse.Namespace, config: ProfileConfig) -> int:
     from .models import resolve_device
 
     report = run_kernel_benchmark(config.kernels, resolve_device(config.device), repeats=config.timing.repeats,
-                                  seed=config.seed)
+                                  seed=config.seed, gpu_warmup_seconds=config.timing.gpu_warmup_seconds)
     print(format_kernel_table(report))
     json_path, _ = _paths(args, config, suffix="_kernels")
     atomic_write_json(json_path, report)

@@ -9,14 +9,14 @@ bandwidth measured in the same run. Accuracy: `validate_numerical_accuracy` agai
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from ..kernels import ops
 from .config import KernelSpec
 from .models import DTYPE_BY_NAME
-from .timing import Clock, interleaved, median
+from .timing import Clock, interleaved, median, warm_up_gpu
 
 SCALING = 2.0
 TARGET_ROTATION_BYTES = 128 * 2**20  # rotate inputs over more than any L2 cache holds
@@ -122,8 +122,30 @@ def validate_numerical_accuracy(shape: list[int], dtype: torch.dtype, device: to
     }
 
 
-def run_kernel_benchmark(spec: KernelSpec, device: torch.device, repeats: int = 7, seed: int = 0) -> dict[str, Any]:
+def fused_bench(spec: KernelSpec, device: torch.device) -> Optional[dict[str, Any]]:
+    """`bem.kernels.bench` per shape (CUDA-graph GPU time of every fused variant, bf16), where it can run:
+    a GPU with the extension loaded. Its failure is recorded in the report, not raised."""
+    if device.type != "cuda" or not ops.KERNELS_AVAILABLE:
+        return None
+    try:
+        from ..kernels import bench
+
+        props = torch.cuda.get_device_properties(device)
+        l2_bytes = getattr(props, "L2_cache_size", 50 << 20)
+        ceilings = bench.ceilings()
+        results = []
+        for M, K, N, r in spec.shapes:
+            results.append(bench.bench_shape(M, K, N, r, ceilings["copy_GBps"], l2_bytes))
+            torch.cuda.empty_cache()
+        return {"ceilings": ceilings, "results": results}
+    except Exception as err:  # noqa: BLE001 - the rest of the report stands; the error is shown and kept
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
+def run_kernel_benchmark(spec: KernelSpec, device: torch.device, repeats: int = 7, seed: int = 0,
+                         gpu_warmup_seconds: float = 0.0) -> dict[str, Any]:
     """Speed rows, accuracy rows and the copy / matmul ceilings, all from this run."""
+    warm_up_gpu(device, gpu_warmup_seconds)
     clock = Clock(device)
     dtype = DTYPE_BY_NAME[spec.dtype]
     copy_gbps = copy_bandwidth_gbps(device, clock, repeats)
@@ -140,6 +162,7 @@ def run_kernel_benchmark(spec: KernelSpec, device: torch.device, repeats: int = 
         "benchmarks": rows,
         "accuracy": accuracy,
         "passed": all(row["passed"] for row in accuracy),
+        "fused_bench": fused_bench(spec, device),
     }
 
 
@@ -161,4 +184,14 @@ def format_kernel_table(report: dict[str, Any]) -> str:
                              else (f"{row['relative_error']:.2e}", f"{row['max_abs_error']:.2e}"))
         lines.append(f"{label:<24}{relative:>12}{row['pytorch_relative_error']:>12.2e}"
                      f"{row['tolerance']:>12.2e}{max_abs:>12}  {'yes' if row['passed'] else 'NO'}")
+    bench = report.get("fused_bench")
+    if bench and "error" in bench:
+        lines += ["", f"bem.kernels.bench failed: {bench['error']}"]
+    elif bench:
+        from ..kernels.bench import format_table
+
+        ceilings = bench["ceilings"]
+        lines += ["", f"bem.kernels.bench (CUDA-graph GPU time, bf16; copy {ceilings['copy_GBps']:.0f} GB/s, "
+                      f"matmul {ceilings['bf16_TFLOPs']:.0f} TFLOP/s):"]
+        lines += [format_table(result) for result in bench["results"]]
     return "\n".join(lines)

@@ -88,6 +88,10 @@ def format_table(report: dict[str, Any]) -> str:
                                 "-" if peak is None else f"{peak / 2**20:.1f}"])
     if len(memory_rows) > 1:
         lines += ["", "training-step memory:"] + _columns(memory_rows)
+    if report["kernels"] is not None:
+        from .kernels import format_kernel_table
+
+        lines += ["", "kernel micro-benchmark:", format_kernel_table(report["kernels"])]
     env = report["environment"]
     lines += ["", f"{env['device_name']} ({env['device']}), {env['dtype']}, {report['timing']['method']} medians of "
               f"{report['timing']['repeats']} interleaved repeats; gate: BEM over base <= "

@@ -141,7 +141,7 @@ def run_profile(config: ProfileConfig, log: Log = print) -> dict[str, Any]:
         from .kernels import run_kernel_benchmark
 
         log("  kernel micro-benchmark")
-        kernels = run_kernel_benchmark(config.kernels, device)
+        kernels = run_kernel_benchmark(config.kernels, device, repeats=config.timing.repeats, seed=config.seed)
     report = {
         "kind": REPORT_KIND,
         "schema_version": SCHEMA_VERSION,

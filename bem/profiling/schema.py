@@ -77,6 +77,7 @@ KERNELS = {
     "benchmarks": [KERNEL_ROW],
     "accuracy": [ACCURACY_ROW],
     "passed": bool,
+    "fused_bench": (dict, NoneType),  # bem.kernels.bench results on a GPU with the extension, else null
 }
 
 REPORT = {
