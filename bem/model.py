@@ -44,6 +44,16 @@ def _first_block(model: nn.Module, target_names: list[str]) -> nn.Module:
     return blocks[0]
 
 
+def _routed_model(model: nn.Module, first_block: nn.Module) -> nn.Module:
+    """The module whose call starts a pass over the blocks: the HF backbone (`model.base_model`,
+    e.g. `LlamaModel` inside `LlamaForCausalLM`) when it holds the blocks, so that calling the
+    backbone directly routes too; the model itself otherwise."""
+    backbone = getattr(model, "base_model", None)
+    if isinstance(backbone, nn.Module) and any(m is first_block for m in backbone.modules()):
+        return backbone
+    return model
+
+
 class BEMModel(nn.Module):
     """A Hugging Face model whose target linears carry BEM modules, plus one routing controller.
 
@@ -79,7 +89,8 @@ class BEMModel(nn.Module):
         else:
             self.controller = None
         self.token_routed_names: list[str] = plan.token_routed
-        self._hooks = RoutingHooks(base_model, _first_block(base_model, plan.names), self.controller, self.context)
+        first_block = _first_block(base_model, plan.names)
+        self._hooks = RoutingHooks(_routed_model(base_model, first_block), first_block, self.controller, self.context)
 
     # ------------------------------------------------------------------ calling
     def forward(self, *args: Any, side_signals: Optional[torch.Tensor] = None, **kwargs: Any) -> Any:

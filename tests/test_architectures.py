@@ -233,3 +233,13 @@ def test_side_signals_reach_the_chunk_level(load_base):
     generated = model.generate(ids[:1], side_signals=torch.ones(1, 3), max_new_tokens=3, do_sample=False,
                                pad_token_id=0)
     assert generated.shape == (1, 12)
+
+
+def test_calling_the_backbone_directly_routes_its_own_tokens(load_base):
+    model = create_hierarchical_bem(load_base("llama"), small_config())
+    randomize_bem(model, seed=16)
+    ids = random_ids(1, 9, seed=17)
+    via_head = model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+    model(input_ids=random_ids(1, 9, seed=18))  # leave other codes of the same shape behind
+    direct = model.base_model.model(input_ids=ids).last_hidden_state
+    assert torch.allclose(direct, via_head, atol=1e-6)
