@@ -52,7 +52,8 @@ def _generate_parser() -> argparse.ArgumentParser:
 
 def _parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> Optional[argparse.Namespace]:
     try:
-        return parser.parse_args(list(argv))
+        # intermixed: options may come after the KEY=VALUE overrides
+        return parser.parse_intermixed_args(list(argv))
     except SystemExit as exit_:
         # argparse already printed usage/help; keep its code (0 for --help, 2 for errors)
         return None if exit_.code else argparse.Namespace(help_shown=True)

@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence, Union
 import yaml
 
 from ..config import HierarchicalBEMConfig, closest_name
-from .schema import (SECTION_NAMES, SECTIONS, ConfigError, DataSection, LoggingSection, ModelSection,
+from .schema import (SECTION_NAMES, suggest, SECTIONS, ConfigError, DataSection, LoggingSection, ModelSection,
                      TrainingSection, build_section, section_fields)
 
 
@@ -77,7 +77,7 @@ def _build_bem(raw: Any) -> HierarchicalBEMConfig:
     known = [f.name for f in dataclasses.fields(HierarchicalBEMConfig)]
     for key in raw:
         if key not in known:
-            raise ConfigError(f"bem.{key}", f"unknown key{closest_name(str(key), known)}")
+            raise ConfigError(f"bem.{key}", f"unknown key{suggest(str(key), known)}")
     try:
         return HierarchicalBEMConfig.from_dict(dict(raw))
     except (ValueError, TypeError) as err:
@@ -124,7 +124,7 @@ def _check_override_key(parts: list[str], key: str) -> None:
     else:
         known = list(section_fields(SECTIONS[parts[0]]))
     if parts[1] not in known:
-        raise ConfigError(key, f"unknown key{closest_name(parts[1], known)}")
+        raise ConfigError(key, f"unknown key{suggest(parts[1], known)}")
     # only model.config_overrides is a free-form mapping that takes deeper keys
     if len(parts) > 2 and (parts[0], parts[1]) != ("model", "config_overrides"):
         raise ConfigError(key, f"'{parts[0]}.{parts[1]}' takes a value, not sub-keys")

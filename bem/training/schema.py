@@ -14,6 +14,25 @@ from typing import Any, Literal, Optional, Union
 
 from ..config import closest_name
 
+# names other trainers use for the same keys, so a habit from elsewhere gets a useful hint
+ALIASES = {"learning_rate": "lr", "num_epochs": "epochs", "num_train_epochs": "epochs",
+           "per_device_train_batch_size": "batch_size", "train_batch_size": "batch_size",
+           "grad_accum": "gradient_accumulation_steps", "lr_scheduler": "scheduler",
+           "lr_scheduler_type": "scheduler", "warmup": "warmup_steps", "clip_grad_norm": "max_grad_norm",
+           "grad_clip": "max_grad_norm", "fp16": "mixed_precision", "bf16": "mixed_precision",
+           "save_steps": "save_every", "eval_steps": "eval_every", "logging_steps": "log_every",
+           "resume_from_checkpoint": "resume", "model_name_or_path": "path", "torch_dtype": "dtype",
+           "seq_len": "max_length", "max_seq_length": "max_length", "lora_r": "rank", "r": "rank",
+           "lora_alpha": "alpha", "lora_dropout": "dropout"}
+
+
+def suggest(name: str, candidates) -> str:
+    """' (did you mean 'x'?)' for a typo or a well-known alias of a valid key, else ''."""
+    candidates = list(candidates)
+    if ALIASES.get(name) in candidates:
+        return f" (did you mean '{ALIASES[name]}'?)"
+    return closest_name(name, candidates)
+
 
 class ConfigError(ValueError):
     """A training config problem; the message starts with the dotted key it is about."""
@@ -155,7 +174,7 @@ def build_section(cls: type, raw: Any, prefix: str) -> Any:
     values = {}
     for key, value in raw.items():
         if key not in fields:
-            raise ConfigError(f"{prefix}.{key}", f"unknown key{closest_name(str(key), fields)}")
+            raise ConfigError(f"{prefix}.{key}", f"unknown key{suggest(str(key), fields)}")
         values[key] = coerce(value, fields[key], f"{prefix}.{key}")
     instance = cls(**values)
     instance.check()

@@ -1,0 +1,92 @@
+"""`bem train` end to end on a few steps of the tiny config, then `bem generate` on what it wrote."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from bem.training.cli import generate_main, train_main
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny models gain nothing from intra-op threads, and on a shared CPU they stall on each other
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def tiny_args(output_dir: Path, *extra: str) -> list[str]:
+    return [str(REPO / "configs/tiny.yaml"),
+            f"data.train={REPO / 'data/tiny/train.jsonl'}", f"data.eval={REPO / 'data/tiny/eval.jsonl'}",
+            f"training.output_dir={output_dir}", "training.max_steps=40", "training.warmup_steps=0",
+            "training.batch_size=8", "training.log_every=5", "training.eval_every=0", "training.save_every=20",
+            "logging.console=false", *extra]
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("tiny") / "run"
+    assert train_main(tiny_args(output_dir)) == 0
+    return output_dir
+
+
+def test_loss_is_finite_and_falls(trained_run):
+    records = [json.loads(line) for line in (trained_run / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
+    assert losses[-1] < 0.7 * losses[0]
+    [evaluation] = [r for r in records if "eval_loss" in r]
+    assert evaluation["step"] == 40 and evaluation["eval_loss"] < losses[0]
+    assert math.isclose(evaluation["eval_ppl"], math.exp(evaluation["eval_loss"]), rel_tol=1e-6)
+    assert 0.0 < evaluation["routing/gate_mean"] <= 1.0
+
+
+def test_run_layout_and_checkpoints(trained_run):
+    assert (trained_run / "config.yaml").is_file()
+    assert (trained_run / "base_model" / "config.json").is_file()
+    steps = sorted(p.name for p in (trained_run / "checkpoints").iterdir())
+    assert steps == ["step-00000020", "step-00000040"]  # nothing half-written left behind
+    state = json.loads((trained_run / "checkpoints/step-00000040/trainer_state.json").read_text())
+    assert state["step"] == 40
+
+
+def test_adapter_reloads_onto_the_saved_base(trained_run):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from bem import BEMModel
+
+    adapter_dir = trained_run / "adapter"
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    assert config["bem_config"]["base_model_name_or_path"] == str(trained_run / "base_model")
+    model = BEMModel.from_pretrained(AutoModelForCausalLM.from_pretrained(trained_run / "base_model"), adapter_dir)
+    saved = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    loaded = model.bem_state_dict()
+    assert set(saved) == set(loaded)
+    assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+    assert any(k.endswith(".U") and saved[k].abs().sum() > 0 for k in saved)  # U left its zero init
+    final_checkpoint = load_file(str(trained_run / "checkpoints/step-00000040/adapter_model.safetensors"))
+    assert all(torch.equal(saved[k], final_checkpoint[k]) for k in saved)
+
+
+def test_generate_runs_on_the_adapter(trained_run, capsys):
+    prompt = "Q: What colour is a lime?\nA:"
+    code = generate_main([str(trained_run / "adapter"), "--prompt", prompt, "--max-new-tokens", "8"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert out.startswith(prompt) and len(out) > len(prompt)
+
+
+def test_generate_errors_are_usage_errors(tmp_path, capsys):
+    assert generate_main([str(tmp_path), "--prompt", "x"]) == 2
+    assert "adapter_config.json is missing" in capsys.readouterr().err
+    assert generate_main([str(tmp_path)]) == 2
+    assert "--prompt" in capsys.readouterr().err

@@ -1,0 +1,122 @@
+"""Stopping a run and resuming it ends with exactly the adapter of a run that was never stopped (CPU).
+
+The small data set (40 records, 5 optimizer steps per epoch with accumulation 2) makes the runs cross
+epoch boundaries, and adapter dropout makes the RNG state matter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from bem.training import load_train_config
+from bem.training.cli import train_main
+from bem.training.trainer import train
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = 30
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny models gain nothing from intra-op threads, and on a shared CPU they stall on each other
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory) -> Path:
+    lines = (REPO / "data/tiny/train.jsonl").read_text().splitlines()[:40]
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def overrides(data: Path, output_dir: Path, *extra: str) -> list[str]:
+    return [f"data.train={data}", "data.eval=null", "data.eval_fraction=0.1", f"training.output_dir={output_dir}",
+            f"training.max_steps={STEPS}", "training.batch_size=4", "training.gradient_accumulation_steps=2",
+            "training.warmup_steps=3", "training.save_every=4", "training.save_total_limit=null",
+            "training.eval_every=10", "training.log_every=1", "bem.dropout=0.1", "logging.console=false", *extra]
+
+
+def adapter(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "adapter_model.safetensors"))
+
+
+def assert_same_adapter(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert set(a) == set(b)
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(small_data, tmp_path_factory) -> Path:
+    output_dir = tmp_path_factory.mktemp("full") / "run"
+    result = train(load_train_config(REPO / "configs/tiny.yaml", overrides(small_data, output_dir)), echo=lambda _: None)
+    assert result.step == STEPS
+    return output_dir
+
+
+def losses(output_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def test_stop_and_resume_matches_uninterrupted(small_data, uninterrupted, tmp_path):
+    output_dir = tmp_path / "run"
+    quiet = lambda _: None  # noqa: E731
+    stopped = train(load_train_config(REPO / "configs/tiny.yaml", overrides(small_data, output_dir)),
+                    stop_at_step=11, echo=quiet)
+    assert stopped.adapter_dir is None and stopped.step == 11
+    assert not (output_dir / "adapter").exists()
+    # steps 9..11 are lost: the latest checkpoint is step 8, in the middle of the second epoch
+    config = load_train_config(REPO / "configs/tiny.yaml", overrides(small_data, output_dir, "training.resume=latest"))
+    result = train(config, echo=quiet)
+    assert result.step == STEPS
+    assert_same_adapter(adapter(uninterrupted / "adapter"), adapter(output_dir / "adapter"))
+    assert losses(output_dir) == losses(uninterrupted)  # metrics past the checkpoint were rewritten, not duplicated
+
+
+def test_resume_from_an_explicit_checkpoint(small_data, uninterrupted, tmp_path):
+    # a finished run's step-12 checkpoint, copied into a fresh output dir, continues to the same end
+    import shutil
+
+    output_dir = tmp_path / "run"
+    shutil.copytree(uninterrupted / "checkpoints" / "step-00000012", tmp_path / "step-00000012")
+    shutil.copytree(uninterrupted / "base_model", output_dir / "base_model")
+    config = load_train_config(REPO / "configs/tiny.yaml",
+                               overrides(small_data, output_dir, f"training.resume={tmp_path / 'step-00000012'}"))
+    train(config, echo=lambda _: None)
+    assert_same_adapter(adapter(uninterrupted / "adapter"), adapter(output_dir / "adapter"))
+
+
+def test_sigkill_then_resume_matches_uninterrupted(small_data, uninterrupted, tmp_path):
+    output_dir = tmp_path / "run"
+    args = overrides(small_data, output_dir)
+    process = subprocess.Popen([sys.executable, "-m", "bem", "train", str(REPO / "configs/tiny.yaml"), *args],
+                               cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    first = output_dir / "checkpoints" / "step-00000004"
+    deadline = time.monotonic() + 240
+    while not first.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, "the run ended before it could be killed mid-way"
+    assert not (output_dir / "adapter").exists()
+    leftovers = [p.name for p in (output_dir / "checkpoints").iterdir() if not p.name.startswith(("step-", ".tmp-"))]
+    assert not leftovers
+    code = train_main([str(REPO / "configs/tiny.yaml"), *args, "training.resume=latest"])
+    assert code == 0
+    assert_same_adapter(adapter(uninterrupted / "adapter"), adapter(output_dir / "adapter"))
