@@ -99,7 +99,7 @@ def _train(config) -> int:
     except ConfigError as err:
         _error("bem train", f"config: {err}")
         return EXIT_USAGE
-    if result.adapter_dir is not None:
+    if result.adapter_dir is not None and result.is_main:
         print(f"done: {result.step} steps, last loss {result.last_loss:.4f}"
               + (f", eval loss {result.eval_loss:.4f}" if result.eval_loss is not None else ""))
     return EXIT_OK

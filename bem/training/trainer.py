@@ -35,6 +35,7 @@ class TrainResult:
     step: int
     last_loss: float
     eval_loss: Optional[float]
+    is_main: bool = True  # the process that writes files and reports
 
 
 def resolve_resume(config: TrainConfig) -> Optional[Path]:
@@ -275,13 +276,14 @@ class Trainer:
             progress.close()
         metrics.close()
         if step < self.total_steps:
-            return TrainResult(None, step, loss_value, None)
+            return TrainResult(None, step, loss_value, None, self.is_main)
         adapter_dir = self.output_dir / "adapter"
         if self.is_main:
             self.bem_model.save_pretrained(adapter_dir)
         accelerator.wait_for_everyone()
         self.echo(f"adapter saved to {adapter_dir}")
-        return TrainResult(adapter_dir, step, loss_value, None if eval_result is None else eval_result["eval_loss"])
+        return TrainResult(adapter_dir, step, loss_value, None if eval_result is None else eval_result["eval_loss"],
+                           self.is_main)
 
     def _optimizer_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, torch.Tensor]:
         """One optimizer step over `micro_batches`; returns the global mean loss and (target, input) tokens."""
