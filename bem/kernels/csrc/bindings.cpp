@@ -27,7 +27,7 @@ enum LinearMode : int64_t {
   kGemmThenAddmm = 4,    // update kernel computes only X V; cuBLAS adds (s X V ⊙ c) U^T (beta = 1)
 };
 // Chosen by measurement at prefill sizes (docs/kernels.md).
-constexpr LinearMode kPrefillMode = kGemmThenUpdate;
+constexpr LinearMode kPrefillMode = kUpdateThenGemm;
 
 DType dtype_of(const Tensor& t) {
   switch (t.scalar_type()) {
@@ -97,12 +97,19 @@ int num_sms(int device) {
   return cache[device];
 }
 
+// Too few 32-row groups to fill the GPU: the projection A B then goes to cuBLAS (rounded to A's dtype,
+// as plain PyTorch rounds it) and the kernel only expands it.
+bool small_m(const Tensor& A) {
+  return tensor_core_dtype(A) && (A.size(0) + 31) / 32 < num_sms(A.get_device());
+}
+
 // Y (=|+=) s ((A B) ⊙ codes) U^T (+ bias); returns P = A B.
 Tensor run_update(const Tensor& A, const Tensor& B, const OptTensor& codes, const Tensor* U, const Tensor* bias,
                   Tensor* Y, double scale, bool accumulate) {
   const int64_t M = A.size(0), r = B.size(1);
-  Tensor P = at::empty({M, r}, A.options().dtype(p_dtype(A)));
-  if (M == 0) return P;
+  const bool given = small_m(A);
+  Tensor P = given ? at::mm(A, B).to(at::kFloat) : at::empty({M, r}, A.options().dtype(p_dtype(A)));
+  if (M == 0 || (given && Y == nullptr)) return P;
   LowRankArgs args{};
   args.A = A.data_ptr();
   args.B = B.data_ptr();
@@ -110,11 +117,13 @@ Tensor run_update(const Tensor& A, const Tensor& B, const OptTensor& codes, cons
   args.U = U ? U->data_ptr() : nullptr;
   args.bias = bias ? bias->data_ptr() : nullptr;
   args.Y = Y ? Y->data_ptr() : nullptr;
-  args.P = P.data_ptr();
+  args.P = given ? nullptr : P.data_ptr();
+  args.P_in = given ? P.data_ptr() : nullptr;
   args.M = (int)M;
   args.L = (int)A.size(1);
   args.N = U ? (int)U->size(0) : 0;
   args.r = (int)r;
+  args.num_sms = num_sms(A.get_device());
   args.scale = scale;
   args.expand = Y != nullptr;
   args.accumulate = accumulate;
@@ -179,7 +188,8 @@ std::tuple<Tensor, Tensor> linear_forward(const Tensor& x, const Tensor& weight,
   if (mode == kDecode) {
     TORCH_CHECK(fits_decode, "bem: the decode kernel takes 1..", kDecodeMaxTokens,
                 " float16/bfloat16 tokens, got M = ", M, " of ", x.scalar_type());
-    const int split = decode_split_k((int)M, (int)N, (int)K, num_sms(x.get_device()), (int)split_k);
+    const int split = decode_split_k((int)M, (int)N, (int)K, (int)r, !weight.is_contiguous(), num_sms(x.get_device()),
+                                     (int)split_k);
     Tensor Y = at::empty({M, N}, x.options());
     Tensor P = at::empty({M, r}, x.options().dtype(at::kFloat));
     Tensor ws = at::empty({split > 1 ? split * M * N : 0}, x.options().dtype(at::kFloat));

@@ -309,14 +309,29 @@ cudaError_t launch_layout(const DecodeArgs& a, cudaStream_t stream) {
   return a.w_transposed ? launch_tokens<T, true>(a, stream) : launch_tokens<T, false>(a, stream);
 }
 
+template <int MT, int RT, bool WT> int smem_bytes() { return DecodeLayout<MT, RT, WT>::total_bytes; }
+
+template <int MT, bool WT> int smem_bytes_rank(int r) {
+  return r <= 16 ? smem_bytes<MT, 1, WT>() : r <= 32 ? smem_bytes<MT, 2, WT>()
+         : r <= 64 ? smem_bytes<MT, 4, WT>() : smem_bytes<MT, 8, WT>();
+}
+
+template <bool WT> int smem_bytes_tokens(int M, int r) {
+  return M <= 16 ? smem_bytes_rank<1, WT>(r) : M <= 32 ? smem_bytes_rank<2, WT>(r) : smem_bytes_rank<4, WT>(r);
+}
+
 }  // namespace
 
-int decode_split_k(int M, int N, int K, int num_sms, int requested) {
+int decode_split_k(int M, int N, int K, int r, bool w_transposed, int num_sms, int requested) {
   const int tiles = (N + kBN - 1) / kBN;
   const int ksteps = (K + kBK - 1) / kBK;
-  // At least 4 K steps (128 columns) per split; by default about two blocks per multiprocessor.
-  const int max_split = (ksteps + 3) / 4;
-  int split = requested > 0 ? requested : (2 * num_sms + tiles - 1) / tiles;
+  // Resident blocks per multiprocessor: 128 registers x 256 threads allow 2; shared memory may allow fewer.
+  const int smem = w_transposed ? smem_bytes_tokens<true>(M, r) : smem_bytes_tokens<false>(M, r);
+  int per_sm = (227 * 1024) / (smem + 1024);
+  per_sm = per_sm < 1 ? 1 : (per_sm > 2 ? 2 : per_sm);
+  // One full wave: as many splits as fit beside the tiles (a second, partial wave would cost a whole one).
+  const int max_split = (ksteps + 3) / 4;  // at least 4 K steps (128 columns) per split
+  int split = requested > 0 ? requested : (per_sm * num_sms) / tiles;
   split = split < 1 ? 1 : (split > max_split ? max_split : split);
   if (split > 64) split = 64;
   const int per = decode_k_per_split(K, split);

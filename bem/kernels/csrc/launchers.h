@@ -25,7 +25,9 @@ struct LowRankArgs {
   const void* bias;
   void* Y;
   void* P;
+  const void* P_in;  // fp32 A B computed elsewhere (skips the projection), or null
   int M, L, N, r;
+  int num_sms;
   double scale;
   bool expand;
   bool accumulate;
@@ -53,7 +55,7 @@ struct DecodeArgs {
   int k_per_split;
 };
 // Split-K factor for the decode kernel: enough blocks to keep every multiprocessor streaming W.
-int decode_split_k(int M, int N, int K, int num_sms, int requested);
+int decode_split_k(int M, int N, int K, int r, bool w_transposed, int num_sms, int requested);
 int decode_k_per_split(int K, int split_k);
 cudaError_t launch_decode_linear(DType dtype, const DecodeArgs& args, cudaStream_t stream);
 

@@ -39,16 +39,20 @@ struct UpdateFlags {
 template <typename T, int RT>
 __global__ void __launch_bounds__(kThreads) lowrank_update_kernel(
     const T* __restrict__ A, const T* __restrict__ B, const T* __restrict__ codes, const T* __restrict__ U,
-    const T* __restrict__ bias, T* __restrict__ Y, float* __restrict__ P, int M, int L, int N, int r,
-    float scale, UpdateFlags f) {
+    const T* __restrict__ bias, T* __restrict__ Y, float* __restrict__ P, const float* __restrict__ P_in, int M,
+    int L, int N, int r, int n_chunks, float scale, UpdateFlags f) {
   constexpr int RP = RT * 16;
   using Lay = UpdateLayout<RP>;
   extern __shared__ __align__(128) unsigned char smem[];
   T* pc = reinterpret_cast<T*>(smem + Lay::main_bytes);
   const T zero = from_acc<T>(0.f);
   const int tid = threadIdx.x, warp = tid / 32;
-  const int m0 = blockIdx.x * kBM;
+  // Blocks of one row group sit next to each other (one per column chunk), so they share A in L2.
+  const int m0 = (blockIdx.x / n_chunks) * kBM;
+  const int chunk = blockIdx.x % n_chunks;
 
+  float* red = reinterpret_cast<float*>(smem);
+  if (P_in == nullptr) {  // Phase 1 (else P = A B came from cuBLAS: small M, where one block per 32 rows is too few)
   // B's pad columns r..RP-1 are never copied, so every stage starts as zeros.
   for (int i = tid; i < kStages * Lay::stage_bytes / 16; i += kThreads)
     reinterpret_cast<uint4*>(smem)[i] = make_uint4(0, 0, 0, 0);
@@ -126,18 +130,20 @@ __global__ void __launch_bounds__(kThreads) lowrank_update_kernel(
   __syncthreads();
 
   // Sum the two K halves; keep P (fp32) for the backward and s * P ⊙ c (as T) for phase 2.
-  float* red = reinterpret_cast<float*>(smem);
 #pragma unroll
   for (int t = 0; t < RT; ++t)
     wmma::store_matrix_sync(red + (kh * kBM + rg * 16) * Lay::red_ld + t * 16, acc[t], Lay::red_ld,
                             wmma::mem_row_major);
   __syncthreads();
+  }
   for (int i = tid; i < kBM * RP; i += kThreads) {
     const int row = i / RP, j = i % RP, gm = m0 + row;
-    const float p = red[row * Lay::red_ld + j] + red[(kBM + row) * Lay::red_ld + j];
+    float p = 0.f;
+    if (P_in == nullptr) p = red[row * Lay::red_ld + j] + red[(kBM + row) * Lay::red_ld + j];
+    else if (gm < M && j < r) p = P_in[(size_t)gm * r + j];
     float c = 0.f;
     if (gm < M && j < r) {
-      P[(size_t)gm * r + j] = p;
+      if (P != nullptr && chunk == 0) P[(size_t)gm * r + j] = p;
       c = codes ? to_acc(codes[(size_t)gm * r + j]) : 1.f;
     }
     pc[row * Lay::pc_ld + j] = from_acc<T>(scale * p * c);
@@ -169,20 +175,28 @@ __global__ void __launch_bounds__(kThreads) lowrank_update_kernel(
     }
   };
 
-  // Phase 2: warp w owns output columns [32w, 32w + 32) of each 128-wide tile, both 16-row groups.
-  const int ntiles = (N + kBN - 1) / kBN;
-  load_u(ubuf0, 0);
-  cp_async_commit();
-  for (int nt = 0; nt < ntiles; ++nt) {
-    if (nt + 1 < ntiles) {
-      load_u((nt + 1) & 1 ? ubuf1 : ubuf0, (nt + 1) * kBN);
+  // Phase 2: warp w owns output columns [32w, 32w + 32) of each 128-wide tile, both 16-row groups;
+  // it stages and writes only its own columns, so only the shared U tile needs a block barrier.
+  const int ntiles_all = (N + kBN - 1) / kBN;
+  const int per_chunk = (ntiles_all + n_chunks - 1) / n_chunks;
+  const int nt_begin = chunk * per_chunk;
+  const int nt_end = min(ntiles_all, nt_begin + per_chunk);
+  if (nt_begin < nt_end) {
+    load_u(ubuf0, nt_begin * kBN);
+    cp_async_commit();
+  }
+  const int lane = tid % 32;
+  for (int nt = nt_begin; nt < nt_end; ++nt) {
+    const int it = nt - nt_begin;
+    if (nt + 1 < nt_end) {
+      load_u((it + 1) & 1 ? ubuf1 : ubuf0, (nt + 1) * kBN);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
     __syncthreads();
-    const T* ub = (nt & 1) ? ubuf1 : ubuf0;
+    const T* ub = (it & 1) ? ubuf1 : ubuf0;
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> out[2][2];
 #pragma unroll
     for (int i = 0; i < 2; ++i)
@@ -208,17 +222,20 @@ __global__ void __launch_bounds__(kThreads) lowrank_update_kernel(
       for (int j = 0; j < 2; ++j)
         wmma::store_matrix_sync(ys + i * 16 * Lay::y_ld + warp * 32 + j * 16, out[i][j], Lay::y_ld,
                                 wmma::mem_row_major);
-    __syncthreads();
+    __syncwarp();
 
-    const int n0 = nt * kBN;
+    const int n0 = nt * kBN + warp * 32;
+    const float* yw = ys + warp * 32;
     if (f.y_vec) {
-      for (int i = tid; i < kBM * kBN / 8; i += kThreads) {
-        const int row = i / (kBN / 8), col = (i % (kBN / 8)) * 8;
+      // 32 rows x 32 columns = 128 vectors of 8: lane l writes rows l/4 + 8q, columns 8 (l % 4).
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int row = lane / 4 + 8 * q, col = (lane % 4) * 8;
         const int gm = m0 + row, gn = n0 + col;
         if (gm >= M || gn >= N) continue;
         float v[8], extra[8];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) v[e] = ys[row * Lay::y_ld + col + e];
+        for (int e = 0; e < 8; ++e) v[e] = yw[row * Lay::y_ld + col + e];
         if (bias) {
           unpack8<T>(*reinterpret_cast<const uint4*>(bias + gn), extra);
 #pragma unroll
@@ -233,18 +250,19 @@ __global__ void __launch_bounds__(kThreads) lowrank_update_kernel(
         *reinterpret_cast<uint4*>(dst) = pack8<T>(v);
       }
     } else {
-      for (int i = tid; i < kBM * kBN; i += kThreads) {
-        const int row = i / kBN, col = i % kBN;
+      for (int i = lane; i < kBM * 32; i += 32) {
+        const int row = i / 32, col = i % 32;
         const int gm = m0 + row, gn = n0 + col;
         if (gm >= M || gn >= N) continue;
-        float v = ys[row * Lay::y_ld + col];
+        float v = yw[row * Lay::y_ld + col];
         if (bias) v += to_acc(bias[gn]);
         T* dst = Y + (size_t)gm * N + gn;
         if (f.accumulate) v += to_acc(*dst);
         *dst = from_acc<T>(v);
       }
     }
-    __syncthreads();  // ys and this U buffer are rewritten next iteration
+    __syncwarp();
+    __syncthreads();  // every warp is done with this U buffer before it is refilled
   }
 }
 
@@ -294,11 +312,16 @@ cudaError_t launch_tensor_core(const LowRankArgs& a, cudaStream_t stream) {
   f.b_vec = a.r % 8 == 0 && aligned16(a.B);
   f.u_vec = a.expand && a.r % 8 == 0 && aligned16(a.U);
   f.y_vec = a.expand && a.N % 8 == 0 && aligned16(a.Y) && (a.bias == nullptr || aligned16(a.bias));
-  const dim3 grid((a.M + kBM - 1) / kBM);
+  // Few row groups (small M): split the columns too, so every multiprocessor has blocks.
+  const int m_blocks = (a.M + kBM - 1) / kBM;
+  const int ntiles = a.expand ? (a.N + kBN - 1) / kBN : 1;
+  int n_chunks = (2 * a.num_sms + m_blocks - 1) / m_blocks;
+  n_chunks = n_chunks < 1 ? 1 : (n_chunks > ntiles ? ntiles : n_chunks);
+  const dim3 grid(m_blocks * n_chunks);
   kernel<<<grid, kThreads, Lay::total_bytes, stream>>>(
       static_cast<const T*>(a.A), static_cast<const T*>(a.B), static_cast<const T*>(a.codes),
       static_cast<const T*>(a.U), static_cast<const T*>(a.bias), static_cast<T*>(a.Y), static_cast<float*>(a.P),
-      a.M, a.L, a.N, a.r, static_cast<float>(a.scale), f);
+      static_cast<const float*>(a.P_in), a.M, a.L, a.N, a.r, n_chunks, static_cast<float>(a.scale), f);
   return cudaGetLastError();
 }
 
