@@ -103,17 +103,37 @@ def test_profile_py_does_not_break_the_standard_profile_module():
     assert "function calls" in result.stdout
 
 
-def test_profile_with_kernels_and_without_lora(tmp_path, capsys):
+def test_local_model_with_kernels_and_without_lora(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    model_dir = tmp_path / "local_model"
+    AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, pad_token_id=0)).save_pretrained(model_dir)
     config = tmp_path / "small.yaml"
     config.write_text(yaml.safe_dump({
         "name": "small", "lora": False, "prefill": {"shapes": [[1, 8]]}, "decode": {"batch_sizes": []},
         "train": {"enabled": False}, "timing": {"warmup": 0, "repeats": 1},
         "kernels": {"shapes": [[4, 32, 48, 4]], "run_with_profile": True}, "output_dir": str(tmp_path),
     }))
-    assert main(["--config", str(config), "--max-overhead", "1000", "--quiet"]) == 0
+    assert main(["--config", str(config), "--model", str(model_dir), "--max-overhead", "1000", "--quiet"]) == 0
     report = json.loads((tmp_path / "small.json").read_text())
     assert validate_report(report) == []
+    assert report["config"]["model"]["path"] == str(model_dir) and report["model"]["bem_modules"] == 7
     assert [s["name"] for s in report["settings"]] == ["prefill b1 s8"]
     assert report["settings"][0]["lora"] is None and report["model"]["lora_note"] == "disabled in the config"
     assert report["kernels"]["passed"] and len(report["kernels"]["accuracy"]) == 1
     assert "kernel micro-benchmark" in capsys.readouterr().out
+
+
+def test_noise_that_cannot_give_a_decode_time_exits_1(monkeypatch, tmp_path, capsys):
+    from bem.profiling import runner
+
+    # every sample 1 ms: generating N tokens looks no slower than generating one
+    monkeypatch.setattr(runner, "interleaved",
+                        lambda runs, clock, warmup, repeats: {name: [1.0] * repeats for name in runs})
+    config = tmp_path / "decode.yaml"
+    config.write_text(yaml.safe_dump({"lora": False, "prefill": {"shapes": []}, "decode": {"batch_sizes": [1]},
+                                      "train": {"enabled": False}, "output_dir": str(tmp_path)}))
+    assert main(["--config", str(config), "--max-overhead", "1000", "--quiet"]) == 1
+    assert "measurement failed: decode b1" in capsys.readouterr().err

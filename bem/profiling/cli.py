@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .config import DEVICES, ProfileConfig, ProfileConfigError, load_profile_config, profile_config_from_dict
+from .timing import MeasurementError
 
 PROG = "bem profile"
 
@@ -105,6 +106,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ProfileConfigError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
+    except MeasurementError as err:  # no trustworthy result: fail rather than pass
+        print(f"{PROG}: measurement failed: {err}", file=sys.stderr)
+        return 1
 
 
 def _paths(args: argparse.Namespace, config: ProfileConfig, suffix: str = "") -> tuple[Path, Path]:

@@ -13,7 +13,7 @@ from .config import ProfileConfig
 from .models import Variants, build_variants, count_parameters, load_base_model, resolve_device, vocab_size
 from .report import REPORT_KIND, SCHEMA_VERSION, apply_gate, make_setting
 from .routing import capture_last_call, replay
-from .timing import Clock, interleaved, median, warm_up_gpu
+from .timing import Clock, MeasurementError, interleaved, median, warm_up_gpu
 from . import workloads
 
 Log = Callable[[str], None]
@@ -73,7 +73,7 @@ class Profiler:
             full, first = median(samples[key]), median(samples[f"{key}:first"])
             per_token[key] = (full - first) / (spec.new_tokens - 1)
         if min(per_token.values()) <= 0:
-            raise RuntimeError(f"{name}: generating {spec.new_tokens} tokens was not slower than generating one; "
+            raise MeasurementError(f"{name}: generating {spec.new_tokens} tokens was not slower than generating one; "
                                f"the timings are noise (raise decode.new_tokens or timing.repeats)")
         shape = {"batch": batch, "prompt_length": spec.prompt_length, "new_tokens": spec.new_tokens}
         self._add(name, "decode", shape, "ms/token", samples, medians=per_token)

@@ -16,6 +16,10 @@ import torch
 Workload = Callable[[int], Any]
 
 
+class MeasurementError(RuntimeError):
+    """The timings cannot support a result (e.g. pure noise); the command reports it and exits 1."""
+
+
 class Clock:
     """Times one call in milliseconds on `device`."""
 
