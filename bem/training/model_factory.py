@@ -47,3 +47,15 @@ def build_base_model(section: ModelSection, vocab_size: int, saved_base: Optiona
     config = preset_config(section.architecture, section.size, section.config_overrides, min_vocab=vocab_size)
     with torch.device(device or "cpu"):
         return AutoModelForCausalLM.from_config(config, **kwargs)
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Recompute the frozen base's activations in backward. Non-reentrant: the base's inputs do not
+    require grad, only BEM's weights do, and reentrant checkpointing would drop their gradients."""
+    options = {"use_reentrant": False}
+    # transformers 5 renamed the method and its argument; older releases only have the first name
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+    model.config.use_cache = False

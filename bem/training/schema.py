@@ -196,7 +196,9 @@ def coerce(value: Any, hint: Any, key: str) -> Any:
                 errors.append(err)
         raise ConfigError(key, f"expected {_type_name(hint)}, got {_describe(value)}")
     if origin is Literal:
-        if value not in args:
+        if value is False and "no" in args:
+            return "no"  # YAML 1.1 reads a bare `no` as false
+        if isinstance(value, bool) or value not in args:
             raise ConfigError(key, f"must be one of {', '.join(repr(a) for a in args)}, got {value!r}"
                                    f"{closest_name(str(value), [str(a) for a in args])}")
         return value

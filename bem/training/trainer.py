@@ -24,7 +24,7 @@ from .config import TrainConfig
 from .data import (IGNORE_INDEX, Collator, EpochSampler, read_records, split_examples, target_token_count,
                    tokenize_records)
 from .metrics import MetricsLog, format_summary, routing_summary
-from .model_factory import build_base_model, load_tokenizer
+from .model_factory import build_base_model, enable_gradient_checkpointing, load_tokenizer
 from .optim import build_optimizer, build_scheduler, trainable_parameters
 from .schema import ConfigError
 
@@ -101,9 +101,7 @@ class Trainer:
             self._save_fresh_base(base)
         self.accelerator.wait_for_everyone()
         if training.gradient_checkpointing:
-            # non-reentrant: the frozen base's inputs do not require grad, only BEM's weights do
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            base.config.use_cache = False
+            enable_gradient_checkpointing(base)
         bem_config = config.bem
         bem_config.base_model_name_or_path = config.model.path or str(self.base_dir)
         model = create_hierarchical_bem(base, bem_config)
