@@ -150,7 +150,7 @@ class RoutingHooks:
                                       return_state=call.want_state)
             else:
                 out = self.controller.step(hidden, call.state, call.attention_mask, out_dtype=dtype)
-        self.context.codes = out.codes
+        self.context.set_codes(out.codes)
         self.last_levels = out.levels
         call.new_state = out.state
         call.codes_ready = True

@@ -9,7 +9,7 @@ the update itself goes through `bem.kernels.ops`, the single kernel/reference di
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -21,16 +21,17 @@ from ..kernels import ops
 class RoutingContext:
     """Per-model scratch space shared by the controller and every `BEMLinear`.
 
-    `codes` holds the current forward's codes as (num_modules, *leading_dims, rank); `None` means
-    routing is off (every code is one). `enabled` False makes every wrapped layer its bare base.
+    `codes` holds the current forward's codes, one (*leading_dims, rank) tensor per module; `None`
+    means routing is off (every code is one). `enabled` False makes every wrapped layer its bare base.
     """
 
     def __init__(self) -> None:
         self.enabled: bool = True
-        self.codes: Optional[torch.Tensor] = None
+        self.codes: Optional[Sequence[torch.Tensor]] = None
 
-    def codes_for(self, index: int) -> Optional[torch.Tensor]:
-        return None if self.codes is None else self.codes[index]
+    def set_codes(self, codes: torch.Tensor) -> None:
+        """codes: (num_modules, *leading_dims, rank), split once per forward."""
+        self.codes = codes.unbind(0)
 
 
 def linear_features(layer: nn.Module) -> tuple[int, int]:
@@ -67,6 +68,8 @@ class BEMLinear(nn.Module):
         self.name = name
         self.context = context
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.has_dropout = dropout > 0
+        self.is_conv1d = isinstance(base_layer, Conv1D)
         weight = base_layer.weight
         factory = {"device": weight.device, "dtype": weight.dtype}
         self.bem_V = nn.Parameter(torch.empty(in_features, rank, **factory))
@@ -81,39 +84,34 @@ class BEMLinear(nn.Module):
             self.bem_V.copy_(lora_a.t())
             self.bem_U.zero_()
 
-    def _weight_nk(self) -> torch.Tensor:
-        """The frozen weight as (N, K); a transposed view for Conv1D (no copy)."""
-        weight = self.base_layer.weight
-        return weight.t() if isinstance(self.base_layer, Conv1D) else weight
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.context.enabled:
+        # Hot path at decode sizes, where the host-side cost of each call is what users pay: keep it lean.
+        context = self.context
+        if not context.enabled:
             return self.base_layer(x)
-        codes = self._codes_like(x)
-        x_adapter = x.to(self.bem_V.dtype)
-        if codes is not None:
-            codes = codes.to(self.bem_V.dtype)
-        if isinstance(self.dropout, nn.Dropout) and self.training:
-            update = ops.generated_update(
-                self.dropout(x_adapter), self.bem_V, codes, self.bem_U, self.scaling, self.use_fused_kernels
-            )
-            return self.base_layer(x) + update.to(x.dtype)
-        if x.dtype != self.bem_V.dtype or torch.is_autocast_enabled(x.device.type):
-            # mixed dtypes: run the frozen layer as the user configured it, add the update on top
-            update = ops.generated_update(x_adapter, self.bem_V, codes, self.bem_U, self.scaling, self.use_fused_kernels)
-            return self.base_layer(x) + update.to(x.dtype)
-        return ops.bem_linear(
-            x, self._weight_nk(), self.base_layer.bias, self.bem_V, codes, self.bem_U, self.scaling,
-            self.use_fused_kernels,
-        )
+        codes = None if context.codes is None else context.codes[self.module_index]
+        if codes is not None and codes.shape[:-1] != x.shape[:-1]:
+            codes = self._reshape_codes(codes, x)
+        V, U = self.bem_V, self.bem_U
+        if x.dtype != V.dtype or (self.has_dropout and self.training) or torch.is_autocast_enabled(x.device.type):
+            return self._forward_unfused_base(x, codes)
+        if codes is not None and codes.dtype != V.dtype:
+            codes = codes.to(V.dtype)
+        weight = self.base_layer.weight
+        return ops.bem_linear(x, weight.t() if self.is_conv1d else weight, self.base_layer.bias, V, codes, U,
+                              self.scaling, self.use_fused_kernels)
 
-    def _codes_like(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        codes = self.context.codes_for(self.module_index)
-        if codes is None:
-            return None
+    def _forward_unfused_base(self, x: torch.Tensor, codes: Optional[torch.Tensor]) -> torch.Tensor:
+        """Frozen layer as configured (autocast, mixed dtypes) plus the update of dropout(x)."""
+        V = self.bem_V
+        x_adapter = self.dropout(x.to(V.dtype))
+        if codes is not None:
+            codes = codes.to(V.dtype)
+        update = ops.generated_update(x_adapter, V, codes, self.bem_U, self.scaling, self.use_fused_kernels)
+        return self.base_layer(x) + update.to(x.dtype)
+
+    def _reshape_codes(self, codes: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         leading = x.shape[:-1]
-        if codes.shape[:-1] == leading:
-            return codes
         if codes.shape[:-1].numel() == leading.numel():
             return codes.reshape(*leading, self.rank)
         raise ValueError(
