@@ -35,21 +35,21 @@ def _args(dtype=torch.bfloat16):
 )
 def test_update_forward_rejects(mutate, message):
     x, V, U = mutate(*_args())
-    with pytest.raises(RuntimeError, match=message):
+    with pytest.raises(ValueError, match=message):
         custom_ops._C.update_forward(x, V, None, U, 1.0)
 
 
 def test_linear_forward_rejects_bad_weight_layout_and_rank():
     x, V, U = _args()
     W = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)[:, ::2]
-    with pytest.raises(RuntimeError, match="weight must be row-major"):
+    with pytest.raises(ValueError, match="weight must be row-major"):
         custom_ops._C.linear_forward(x, W, None, V, None, U, 1.0)
-    with pytest.raises(RuntimeError, match="exceeds the kernels' maximum"):
+    with pytest.raises(ValueError, match="exceeds the kernels' maximum"):
         big = torch.randn(32, 129, device="cuda", dtype=torch.bfloat16)
         custom_ops._C.update_forward(x, big, None, torch.randn(16, 129, device="cuda", dtype=torch.bfloat16), 1.0)
-    with pytest.raises(RuntimeError, match="codes must be"):
+    with pytest.raises(ValueError, match="codes must be"):
         custom_ops._C.update_forward(x, V, torch.randn(3, 8, device="cuda", dtype=torch.bfloat16), U, 1.0)
-    with pytest.raises(RuntimeError, match="decode kernel takes"):
+    with pytest.raises(ValueError, match="decode kernel takes"):
         custom_ops._C.linear_forward(torch.randn(65, 32, device="cuda", dtype=torch.bfloat16),
                                      torch.randn(16, 32, device="cuda", dtype=torch.bfloat16), None, V, None, U, 1.0, 1)
 

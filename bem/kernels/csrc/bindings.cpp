@@ -8,6 +8,7 @@
 
 #include <climits>
 #include <mutex>
+#include <stdexcept>
 #include <vector>
 
 #include "launchers.h"
@@ -17,6 +18,12 @@ namespace {
 
 using at::Tensor;
 using OptTensor = c10::optional<Tensor>;
+
+// Argument checks raise ValueError (std::invalid_argument) with the message, before any launch.
+#define BEM_CHECK(cond, ...)                                                   \
+  do {                                                                         \
+    if (!(cond)) throw std::invalid_argument(c10::str("bem: ", __VA_ARGS__)); \
+  } while (0)
 
 // How bem_linear_forward composes x W^T with the update (mode argument; 0 picks by shape).
 enum LinearMode : int64_t {
@@ -35,49 +42,51 @@ DType dtype_of(const Tensor& t) {
     case at::kBFloat16: return DType::kBFloat16;
     case at::kFloat: return DType::kFloat;
     case at::kDouble: return DType::kDouble;
-    default: TORCH_CHECK(false, "bem: unsupported dtype ", t.scalar_type(), " (expected float16, bfloat16, float32 or float64)");
+    default: break;
   }
+  BEM_CHECK(false, "unsupported dtype ", t.scalar_type(), " (expected float16, bfloat16, float32 or float64)");
+  return DType::kFloat;
 }
 
 bool tensor_core_dtype(const Tensor& t) { return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16; }
 
 void check_like(const Tensor& t, const char* name, const Tensor& x) {
-  TORCH_CHECK(t.device() == x.device(), "bem: ", name, " is on ", t.device(), " but x is on ", x.device());
-  TORCH_CHECK(t.scalar_type() == x.scalar_type(), "bem: ", name, " has dtype ", t.scalar_type(), " but x has ",
+  BEM_CHECK(t.device() == x.device(), "", name, " is on ", t.device(), " but x is on ", x.device());
+  BEM_CHECK(t.scalar_type() == x.scalar_type(), "", name, " has dtype ", t.scalar_type(), " but x has ",
               x.scalar_type());
 }
 
 void check_contiguous(const Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_contiguous(), "bem: ", name, " must be contiguous; got sizes ", t.sizes(), " strides ",
+  BEM_CHECK(t.is_contiguous(), "", name, " must be contiguous; got sizes ", t.sizes(), " strides ",
               t.strides());
 }
 
 // x: (M, K), V: (K, r), codes: (M, r) or None, U: (N, r).
 void check_update_operands(const Tensor& x, const Tensor& V, const OptTensor& codes, const Tensor& U) {
-  TORCH_CHECK(x.is_cuda(), "bem: x must be a CUDA tensor, got one on ", x.device());
-  TORCH_CHECK(x.dim() == 2, "bem: x must be 2-D (M, K), got shape ", x.sizes());
-  TORCH_CHECK(V.dim() == 2, "bem: V must be 2-D (K, r), got shape ", V.sizes());
-  TORCH_CHECK(U.dim() == 2, "bem: U must be 2-D (N, r), got shape ", U.sizes());
+  BEM_CHECK(x.is_cuda(), "x must be a CUDA tensor, got one on ", x.device());
+  BEM_CHECK(x.dim() == 2, "x must be 2-D (M, K), got shape ", x.sizes());
+  BEM_CHECK(V.dim() == 2, "V must be 2-D (K, r), got shape ", V.sizes());
+  BEM_CHECK(U.dim() == 2, "U must be 2-D (N, r), got shape ", U.sizes());
   dtype_of(x);
   check_like(V, "V", x);
   check_like(U, "U", x);
   check_contiguous(x, "x");
   check_contiguous(V, "V");
   check_contiguous(U, "U");
-  TORCH_CHECK(V.size(0) == x.size(1), "bem: V has ", V.size(0), " rows but x has K = ", x.size(1), " features");
-  TORCH_CHECK(U.size(1) == V.size(1), "bem: U has rank ", U.size(1), " but V has rank ", V.size(1));
-  TORCH_CHECK(V.size(1) >= 1, "bem: rank must be at least 1");
-  TORCH_CHECK(x.size(0) < INT_MAX && x.size(1) < INT_MAX && U.size(0) < INT_MAX,
-              "bem: dimensions must be below 2^31, got x ", x.sizes(), " and U ", U.sizes());
+  BEM_CHECK(V.size(0) == x.size(1), "V has ", V.size(0), " rows but x has K = ", x.size(1), " features");
+  BEM_CHECK(U.size(1) == V.size(1), "U has rank ", U.size(1), " but V has rank ", V.size(1));
+  BEM_CHECK(V.size(1) >= 1, "rank must be at least 1");
+  BEM_CHECK(x.size(0) < INT_MAX && x.size(1) < INT_MAX && U.size(0) < INT_MAX,
+              "dimensions must be below 2^31, got x ", x.sizes(), " and U ", U.sizes());
   if (tensor_core_dtype(x)) {
-    TORCH_CHECK(V.size(1) <= kMaxFusedRank, "bem: rank ", V.size(1), " exceeds the kernels' maximum of ",
+    BEM_CHECK(V.size(1) <= kMaxFusedRank, "rank ", V.size(1), " exceeds the kernels' maximum of ",
                 kMaxFusedRank, " for ", x.scalar_type());
   }
   if (codes.has_value()) {
     const Tensor& c = *codes;
     check_like(c, "codes", x);
     check_contiguous(c, "codes");
-    TORCH_CHECK(c.dim() == 2 && c.size(0) == x.size(0) && c.size(1) == V.size(1), "bem: codes must be (M, r) = (",
+    BEM_CHECK(c.dim() == 2 && c.size(0) == x.size(0) && c.size(1) == V.size(1), "codes must be (M, r) = (",
                 x.size(0), ", ", V.size(1), "), got ", c.sizes());
   }
 }
@@ -107,7 +116,8 @@ bool small_m(const Tensor& A) {
 Tensor run_update(const Tensor& A, const Tensor& B, const OptTensor& codes, const Tensor* U, const Tensor* bias,
                   Tensor* Y, double scale, bool accumulate) {
   const int64_t M = A.size(0), r = B.size(1);
-  const bool given = small_m(A);
+  // float32: cuBLAS's blocked sums are more accurate than the simple kernel's running sum.
+  const bool given = small_m(A) || A.scalar_type() == at::kFloat;
   Tensor P = given ? at::mm(A, B).to(at::kFloat) : at::empty({M, r}, A.options().dtype(p_dtype(A)));
   if (M == 0 || (given && Y == nullptr)) return P;
   LowRankArgs args{};
@@ -153,15 +163,15 @@ bool weight_is_transposed(const Tensor& W) {
 
 void check_weight(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& U) {
   check_like(weight, "weight", x);
-  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == U.size(0) && weight.size(1) == x.size(1),
-              "bem: weight must be (N, K) = (", U.size(0), ", ", x.size(1), "), got ", weight.sizes());
-  TORCH_CHECK(weight.is_contiguous() || weight_is_transposed(weight),
-              "bem: weight must be row-major (N, K) or the transpose of a row-major (K, N) tensor; got strides ",
+  BEM_CHECK(weight.dim() == 2 && weight.size(0) == U.size(0) && weight.size(1) == x.size(1),
+              "weight must be (N, K) = (", U.size(0), ", ", x.size(1), "), got ", weight.sizes());
+  BEM_CHECK(weight.is_contiguous() || weight_is_transposed(weight),
+              "weight must be row-major (N, K) or the transpose of a row-major (K, N) tensor; got strides ",
               weight.strides());
   if (bias.has_value()) {
     check_like(*bias, "bias", x);
     check_contiguous(*bias, "bias");
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == U.size(0), "bem: bias must be (N,) = (", U.size(0),
+    BEM_CHECK(bias->dim() == 1 && bias->size(0) == U.size(0), "bias must be (N,) = (", U.size(0),
                 ",), got ", bias->sizes());
   }
 }
@@ -181,12 +191,12 @@ std::tuple<Tensor, Tensor> linear_forward(const Tensor& x, const Tensor& weight,
   const bool fits_decode = tensor_core_dtype(x) && M >= 1 && M <= kDecodeMaxTokens &&
                            (N + kDecodeTileN - 1) / kDecodeTileN <= kMaxDecodeTiles;
   if (mode == kAuto) mode = fits_decode ? kDecode : kPrefillMode;
-  TORCH_CHECK(mode >= kDecode && mode <= kGemmThenAddmm, "bem: unknown linear mode ", mode);
+  BEM_CHECK(mode >= kDecode && mode <= kGemmThenAddmm, "unknown linear mode ", mode);
   if (!tensor_core_dtype(x) || M == 0) mode = kGemmThenUpdate;  // float/double: cuBLAS + simple kernels
   const Tensor* bias_ptr = bias.has_value() ? &*bias : nullptr;
 
   if (mode == kDecode) {
-    TORCH_CHECK(fits_decode, "bem: the decode kernel takes 1..", kDecodeMaxTokens,
+    BEM_CHECK(fits_decode, "the decode kernel takes 1..", kDecodeMaxTokens,
                 " float16/bfloat16 tokens, got M = ", M, " of ", x.scalar_type());
     const int split = decode_split_k((int)M, (int)N, (int)K, (int)r, !weight.is_contiguous(), num_sms(x.get_device()),
                                      (int)split_k);

@@ -12,7 +12,7 @@ namespace {
 
 using namespace nvcuda;
 
-constexpr int kBM = 32, kBK = 64, kBN = 128, kStages = 4, kThreads = 128;
+constexpr int kBM = 32, kBK = 64, kBN = 128, kStages = 6, kThreads = 128;
 
 template <int RP> struct UpdateLayout {
   static constexpr int x_ld = kBK + kPad;
@@ -338,14 +338,18 @@ template <typename T>
 cudaError_t launch_generic(const LowRankArgs& a, cudaStream_t stream) {
   using AccT = typename Acc<T>::type;
   constexpr int threads = 256;
-  const size_t np = (size_t)a.M * a.r;
-  project_generic_kernel<T><<<(np + threads - 1) / threads, threads, 0, stream>>>(
-      static_cast<const T*>(a.A), static_cast<const T*>(a.B), static_cast<AccT*>(a.P), a.M, a.L, a.r);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess || !a.expand) return err;
+  const AccT* P = static_cast<const AccT*>(a.P_in ? a.P_in : a.P);
+  if (a.P_in == nullptr) {
+    const size_t np = (size_t)a.M * a.r;
+    project_generic_kernel<T><<<(np + threads - 1) / threads, threads, 0, stream>>>(
+        static_cast<const T*>(a.A), static_cast<const T*>(a.B), static_cast<AccT*>(a.P), a.M, a.L, a.r);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  if (!a.expand) return cudaSuccess;
   const size_t ny = (size_t)a.M * a.N;
   expand_generic_kernel<T><<<(ny + threads - 1) / threads, threads, 0, stream>>>(
-      static_cast<const AccT*>(a.P), static_cast<const T*>(a.codes), static_cast<const T*>(a.U),
+      P, static_cast<const T*>(a.codes), static_cast<const T*>(a.U),
       static_cast<const T*>(a.bias), static_cast<T*>(a.Y), a.M, a.N, a.r, static_cast<AccT>(a.scale),
       a.accumulate);
   return cudaGetLastError();
