@@ -243,3 +243,22 @@ def test_calling_the_backbone_directly_routes_its_own_tokens(load_base):
     model(input_ids=random_ids(1, 9, seed=18))  # leave other codes of the same shape behind
     direct = model.base_model.model(input_ids=ids).last_hidden_state
     assert torch.allclose(direct, via_head, atol=1e-6)
+
+
+def test_autocast_and_fp32_adapters_on_a_bf16_base_match_the_upcast_reference(load_base):
+    base = load_base("llama").to(torch.bfloat16)
+    model = create_hierarchical_bem(base, small_config())
+    randomize_bem(model, seed=19)
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            param.data = param.data.float()  # fp32 master weights, as mixed-precision training keeps them
+    ids = random_ids(2, 8, seed=20)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    assert out.logits.dtype in (torch.bfloat16, torch.float32) and torch.isfinite(out.logits).all()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits  # no autocast: adapters in fp32, base in bf16
+    assert (out.logits.float() - plain.float()).abs().max() < 0.15 * plain.float().abs().max()

@@ -92,22 +92,39 @@ class BEMLinear(nn.Module):
         codes = None if context.codes is None else context.codes[self.module_index]
         if codes is not None and codes.shape[:-1] != x.shape[:-1]:
             codes = self._reshape_codes(codes, x)
-        V, U = self.bem_V, self.bem_U
-        if x.dtype != V.dtype or (self.has_dropout and self.training) or torch.is_autocast_enabled(x.device.type):
-            return self._forward_unfused_base(x, codes)
+        if torch.is_autocast_enabled(x.device.type):
+            return self._forward_autocast(x, codes)
+        V = self.bem_V
+        if x.dtype != V.dtype or (self.has_dropout and self.training):
+            return self._forward_base_plus_update(x, codes, V.dtype)
         if codes is not None and codes.dtype != V.dtype:
             codes = codes.to(V.dtype)
+        return self._fused(x, V, codes, self.bem_U)
+
+    def _fused(self, x: torch.Tensor, V: torch.Tensor, codes: Optional[torch.Tensor], U: torch.Tensor) -> torch.Tensor:
         weight = self.base_layer.weight
         return ops.bem_linear(x, weight.t() if self.is_conv1d else weight, self.base_layer.bias, V, codes, U,
                               self.scaling, self.use_fused_kernels)
 
-    def _forward_unfused_base(self, x: torch.Tensor, codes: Optional[torch.Tensor]) -> torch.Tensor:
-        """Frozen layer as configured (autocast, mixed dtypes) plus the update of dropout(x)."""
-        V = self.bem_V
-        x_adapter = self.dropout(x.to(V.dtype))
-        if codes is not None:
-            codes = codes.to(V.dtype)
-        update = ops.generated_update(x_adapter, V, codes, self.bem_U, self.scaling, self.use_fused_kernels)
+    def _forward_autocast(self, x: torch.Tensor, codes: Optional[torch.Tensor]) -> torch.Tensor:
+        """Under autocast the update runs in the autocast dtype, as `F.linear` does: only the small
+        V, U and codes are cast (e.g. fp32 adapter weights on a bf16 base), never x or W."""
+        dtype = torch.get_autocast_dtype(x.device.type)
+        weight = self.base_layer.weight
+        if x.dtype == dtype and weight.dtype == dtype and not (self.has_dropout and self.training):
+            codes = None if codes is None else codes.to(dtype)
+            with torch.autocast(x.device.type, enabled=False):
+                return self._fused(x, self.bem_V.to(dtype), codes, self.bem_U.to(dtype))
+        return self._forward_base_plus_update(x, codes, dtype)
+
+    def _forward_base_plus_update(self, x: torch.Tensor, codes: Optional[torch.Tensor],
+                                  dtype: torch.dtype) -> torch.Tensor:
+        """The frozen layer as configured plus the update of dropout(x) computed in `dtype` (PEFT
+        computes LoRA in the adapter's dtype the same way)."""
+        x_adapter = self.dropout(x.to(dtype))
+        codes = None if codes is None else codes.to(dtype)
+        update = ops.generated_update(x_adapter, self.bem_V.to(dtype), codes, self.bem_U.to(dtype), self.scaling,
+                                      self.use_fused_kernels)
         return self.base_layer(x) + update.to(x.dtype)
 
     def _reshape_codes(self, codes: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
