@@ -16,7 +16,7 @@ namespace {
 
 using namespace nvcuda;
 
-constexpr int kBN = kDecodeTileN, kBK = 32, kStages = 8, kThreads = 256;
+constexpr int kBN = kDecodeTileN, kBK = 32, kStages = 4, kThreads = 256;
 static_assert(kBN == 16 * (kThreads / 32), "one 16-row group of W per warp");
 
 // Split-K arrival counters, one per 128-column tile; each tile's last block sets its counter back to 0.

@@ -12,7 +12,7 @@ namespace {
 
 using namespace nvcuda;
 
-constexpr int kBM = 32, kBK = 64, kBN = 128, kStages = 6, kThreads = 128;
+constexpr int kBM = 32, kBK = 64, kBN = 128, kStages = 4, kThreads = 128;
 
 template <int RP> struct UpdateLayout {
   static constexpr int x_ld = kBK + kPad;
@@ -286,12 +286,12 @@ __global__ void expand_generic_kernel(const typename Acc<T>::type* __restrict__ 
   const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (idx >= (size_t)M * N) return;
   const int m = idx / N, n = idx % N;
-  typename Acc<T>::type acc = 0;
+  double acc = 0;  // a double running sum keeps float32 within PyTorch's blocked-sum error at r = 128
   for (int j = 0; j < r; ++j) {
-    const typename Acc<T>::type c = codes ? to_acc(codes[(size_t)m * r + j]) : 1;
-    acc += P[(size_t)m * r + j] * c * to_acc(U[(size_t)n * r + j]);
+    const double c = codes ? to_acc(codes[(size_t)m * r + j]) : 1;
+    acc += (double)P[(size_t)m * r + j] * c * (double)to_acc(U[(size_t)n * r + j]);
   }
-  acc *= scale;
+  acc *= (double)scale;
   if (bias) acc += to_acc(bias[n]);
   if (accumulate) acc += to_acc(Y[idx]);
   Y[idx] = static_cast<T>(acc);
