@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Whole-project run on a CUDA machine: build the extension once, then the requested steps, each with
+# its own time limit and log under $OUT; a one-line summary per step is printed last.
+# Usage: bash scripts/gpu_validate.sh [probe] [gpu-tests] [profile] [train] [cpu-tests]
+set -o pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+SUMMARY=()
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+
+start=$(date +%s)
+BEM_BUILD_CUDA=1 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1 \
+  || { tail -40 "$OUT/build.log"; exit 1; }
+SUMMARY+=("build: $(( $(date +%s) - start )) s")
+
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2 begin rc
+  shift 2
+  begin=$(date +%s)
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  SUMMARY+=("$name: exit $rc, $(( $(date +%s) - begin )) s")
+  tail -${TAIL:-25} "$OUT/$name.log"
+}
+
+for what in "$@"; do
+  case $what in
+    probe) step probe 120 python3 scripts/exception_probe.py ;;
+    gpu-tests) step gpu_tests 240 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/gpu ;;
+    profile) step profile 300 python3 profile.py --config configs/profile_llama_1b.yaml --output-dir "$OUT" ;;
+    train) step train 300 python3 benchmarks/train_throughput.py --config configs/train_llama_1b.yaml \
+        --steps 6 --warmup 2 --rounds 2 --json "$OUT/train.json" ;;
+    cpu-tests) step cpu_tests 300 python3 -m pytest -q -x -p no:cacheprovider tests --ignore=tests/gpu ;;
+    *) echo "unknown step $what" >&2; exit 2 ;;
+  esac
+done
+printf '%s\n' "${SUMMARY[@]}"
