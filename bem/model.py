@@ -85,7 +85,7 @@ class BEMModel(nn.Module):
                 ema_decay=config.ema_decay, code_clamp_value=config.code_clamp_value,
                 enable_uncertainty=config.enable_uncertainty, enable_token_routing=config.enable_token_routing,
                 side_signal_dim=config.side_signal_dim,
-            ).to(device=reference_weight.device)
+            ).to(device=reference_weight.device).train(base_model.training)
         else:
             self.controller = None
         self.token_routed_names: list[str] = plan.token_routed

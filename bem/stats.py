@@ -21,7 +21,10 @@ def routing_stats(model: "BEMModel") -> dict[str, Any]:
         return {"routing": False, "modules": {n: {"code_norm": float(model.bem_config.rank) ** 0.5} for n in names}}
     levels = model._hooks.last_levels
     if levels is None:
-        raise RuntimeError("routing_stats() needs a forward pass with BEM enabled first")
+        raise RuntimeError(
+            "routing_stats() needs a forward pass with BEM enabled first, in eval mode or under torch.no_grad() "
+            "(training passes keep no statistics)"
+        )
     per_level = {key: _mean_norm(levels[key]) for key in ("prefix", "chunk", "dynamic", "codes")}
     token_norm = torch.zeros(len(names))
     if levels["token"] is not None:

@@ -18,7 +18,7 @@ def make_controller(seed=0, **overrides) -> HierarchicalController:
         for name, param in controller.named_parameters():
             if param.dim() >= 1 and name != "static_codes":
                 param.normal_(std=0.5)
-    return controller.double()
+    return controller.double().eval()
 
 
 def test_codes_at_init_are_the_gate_times_ones():
@@ -115,4 +115,12 @@ def test_uncertainty_gate_has_a_learnable_temperature():
         controller.gate_log_temperature.fill_(2.0)
     after = controller(hidden).levels["gate"]
     assert ((before - 0.5).abs() > (after - 0.5).abs()).all()  # hotter gate: closer to one half
-    assert make_controller(enable_uncertainty=False)(hidden.float().double()).levels["gate"] is None
+    assert make_controller(enable_uncertainty=False)(hidden).levels["gate"] is None
+
+
+def test_training_passes_keep_no_statistics_tensors():
+    controller = make_controller(seed=8).train()
+    hidden = torch.randn(1, 6, 12, dtype=torch.float64)
+    assert controller(hidden).levels is None  # they would only hold memory during training
+    with torch.no_grad():
+        assert controller(hidden).levels is not None

@@ -122,6 +122,27 @@ def generated_update(
     return y.reshape(*x.shape[:-1], U.shape[0])
 
 
+def _direct_inference_ok(x, weight, bias, V, codes, U) -> bool:
+    """True when the extension can be called directly: no autograd, no tracing, no autocast, and every
+    operand already as the kernel takes it. This skips the custom-op machinery, whose host cost per call
+    would otherwise dominate at decode sizes, where generation is bound by host time."""
+    if custom_ops._C is None or not x.is_cuda or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return False
+    dtype = x.dtype
+    return (
+        dtype in FUSED_DTYPES
+        and not torch.is_autocast_enabled("cuda")
+        and x.is_contiguous() and x.numel() > 0
+        and V.dtype == dtype and U.dtype == dtype and weight.dtype == dtype
+        and V.is_contiguous() and U.is_contiguous() and V.device == x.device
+        and V.shape[1] <= MAX_FUSED_RANK and x.shape[-1] == V.shape[0] and U.shape[1] == V.shape[1]
+        and weight.shape == (U.shape[0], V.shape[0]) and (weight.is_contiguous() or weight.t().is_contiguous())
+        and (bias is None or (bias.dtype == dtype and bias.is_contiguous() and bias.shape == (U.shape[0],)))
+        and (codes is None or (codes.dtype == dtype and codes.is_contiguous()
+                               and codes.shape == x.shape[:-1] + (V.shape[1],)))
+    )
+
+
 def bem_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -133,6 +154,11 @@ def bem_linear(
     use_fused: bool = True,
 ) -> torch.Tensor:
     """`x W^T + b + s * ((x V) ⊙ codes) U^T`, W: (N, K) (a transposed view of a (K, N) tensor is fine)."""
+    if use_fused and _direct_inference_ok(x, weight, bias, V, codes, U):
+        K, r = V.shape
+        y, _ = custom_ops._C.linear_forward(x.view(-1, K), weight, bias, V,
+                                            None if codes is None else codes.view(-1, r), U, float(scaling))
+        return y.view(*x.shape[:-1], U.shape[0])
     autocast_dtype = _autocast_dtype(x) if use_fused else None
     if autocast_dtype is None:
         _check_update_args(x, V, codes, U)

@@ -113,6 +113,9 @@ class HierarchicalController(nn.Module):
             self.gate_log_temperature = nn.Parameter(torch.zeros(()))
         else:
             self.gate = None
+        from .step_graph import StepGraphs  # CUDA-graph replay of the one-token decode step
+
+        self.step_graphs: Optional[StepGraphs] = StepGraphs(self)
 
     # ------------------------------------------------------------------ shared pieces
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -155,9 +158,12 @@ class HierarchicalController(nn.Module):
             codes = codes * gate.unsqueeze(-1)
         else:
             gate = None
-        levels = {"prefix": prefix.detach(), "chunk": chunk.detach(), "dynamic": clamped.detach(),
-                  "token": None if token is None else token.detach(),
-                  "gate": None if gate is None else gate.detach(), "codes": codes.detach()}
+        levels = None
+        if not (self.training and torch.is_grad_enabled()):
+            # kept for routing_stats(); not during training passes, where they would only cost memory
+            levels = {"prefix": prefix.detach(), "chunk": chunk.detach(), "dynamic": clamped.detach(),
+                      "token": None if token is None else token.detach(),
+                      "gate": None if gate is None else gate.detach(), "codes": codes.detach()}
         return codes.permute(2, 0, 1, 3).to(out_dtype).contiguous(), levels
 
     # ------------------------------------------------------------------ whole sequences
@@ -248,13 +254,23 @@ class HierarchicalController(nn.Module):
         if state.batch_size != B:
             raise ValueError(f"routing state holds {state.batch_size} sequences but the input has {B}")
         out_dtype = out_dtype or hidden.dtype
+        mask = self._mask(attention_mask, B, T, hidden.new_empty(0, dtype=self.input_proj.weight.dtype))
+        tensors = (state.count, state.prefix_sum, state.chunk_ema, state.open_sum, state.side)
+        if self.step_graphs is not None and self.step_graphs.eligible(hidden):
+            codes, levels, *advanced = self.step_graphs.run(hidden, mask, tensors, out_dtype)
+        else:
+            codes, levels, *advanced = self.step_math(hidden, mask, *tensors, out_dtype=out_dtype)
+        count, prefix_sum, chunk_ema, open_sum = advanced
+        new_state = RoutingState(count=count, prefix_sum=prefix_sum, chunk_ema=chunk_ema, open_sum=open_sum,
+                                 side=state.side, seen_tokens=state.seen_tokens + T)
+        return RoutingOutput(codes=codes, state=new_state, levels=levels)
+
+    def step_math(self, hidden, mask, count, prefix_sum, chunk_ema, open_sum, side, out_dtype):
+        """The recurrence of `step` as pure tensor work (no host syncs), so a CUDA graph can replay it."""
         z = self.project(hidden)
-        mask = self._mask(attention_mask, B, T, z)
         C, P, beta = self.chunk_size, self.max_prefix_tokens, self.ema_decay
-        count, prefix_sum = state.count.clone(), state.prefix_sum
-        chunk_ema, open_sum = state.chunk_ema, state.open_sum
         all_p, all_ctx = [], []
-        for t in range(T):
+        for t in range(hidden.shape[1]):
             real = mask[:, t]
             z_t = z[:, t]
             in_prefix = real * (count < P).to(real.dtype)
@@ -262,11 +278,11 @@ class HierarchicalController(nn.Module):
             prefix_count = torch.clamp(count + in_prefix.long(), max=P).to(z.dtype)
             p_t = prefix_sum / prefix_count.clamp(min=1).unsqueeze(-1)
             all_p.append(p_t)
-            all_ctx.append(chunk_ema if state.side is None else chunk_ema + state.side)
-            # advance: add the token to the open chunk; close the chunk when it is full
+            all_ctx.append(chunk_ema if side is None else chunk_ema + side)
+            # advance: add the token to the open chunk; close the chunk when it is full. The summary is
+            # computed for every row and kept where a chunk closed: no host sync.
             open_sum = open_sum + z_t * real.unsqueeze(-1)
             count = count + real.long()
-            # computed for every row and kept where a chunk closed: no host sync, graph-capturable
             closes = ((real > 0) & (count % C == 0)).unsqueeze(-1)
             summary = self.chunk_summary(torch.cat([open_sum / C, p_t], dim=-1))
             chunk_ema = torch.where(closes, beta * chunk_ema + (1 - beta) * summary, chunk_ema)
@@ -274,6 +290,4 @@ class HierarchicalController(nn.Module):
         p = torch.stack(all_p, dim=1)
         chunk_ctx = torch.stack(all_ctx, dim=1)
         codes, levels = self._codes(z, p, chunk_ctx, out_dtype)
-        new_state = RoutingState(count=count, prefix_sum=prefix_sum, chunk_ema=chunk_ema, open_sum=open_sum,
-                                 side=state.side, seen_tokens=state.seen_tokens + T)
-        return RoutingOutput(codes=codes, state=new_state, levels=levels)
+        return codes, levels, count, prefix_sum, chunk_ema, open_sum

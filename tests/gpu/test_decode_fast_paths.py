@@ -1,0 +1,87 @@
+"""Decode-time fast paths agree with the plain paths: the controller's CUDA-graph step, and the direct
+(no-autograd) call of the fused linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bem import HierarchicalBEMConfig, create_hierarchical_bem
+from bem.kernels import KERNELS_AVAILABLE
+from bem.modules.controller import HierarchicalController
+
+pytestmark = pytest.mark.gpu
+
+
+def _controller(seed: int) -> HierarchicalController:
+    torch.manual_seed(seed)
+    controller = HierarchicalController(hidden_size=48, num_modules=5, rank=8, token_module_indices=[1, 3],
+                                        controller_dim=16, chunk_size=3, max_prefix_tokens=4).cuda().eval()
+    with torch.no_grad():
+        for name, param in controller.named_parameters():
+            if param.dim() >= 1 and name != "static_codes":
+                param.normal_(std=0.5)
+    return controller
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_graph_replayed_step_equals_the_eager_step_and_the_full_sequence(batch):
+    controller = _controller(batch)
+    hidden = torch.randn(batch, 11, 48, device="cuda")
+    mask = torch.ones(batch, 11, device="cuda")
+    if batch > 1:
+        mask[1, :3] = 0
+    with torch.no_grad():
+        full = controller(hidden, mask).codes
+        results = {}
+        for graphs in (True, False):
+            controller.step_graphs.enabled = graphs
+            out = controller(hidden[:, :4], mask[:, :4], return_state=True)
+            pieces, state = [out.codes], out.state
+            for t in range(4, 11):
+                step = controller.step(hidden[:, t : t + 1], state, mask[:, t : t + 1])
+                pieces.append(step.codes.clone())
+                state = step.state
+            results[graphs] = torch.cat(pieces, dim=2)
+    assert len(controller.step_graphs._captured) == 1
+    real = mask.bool()
+    assert torch.allclose(results[True], results[False], atol=1e-6)
+    assert torch.allclose(results[True][:, real], full[:, real], atol=1e-5)
+
+
+def test_two_caches_never_share_state_buffers():
+    controller = _controller(7)
+    hidden = torch.randn(1, 6, 48, device="cuda")
+    with torch.no_grad():
+        state = controller(hidden[:, :5], return_state=True).state
+        a = controller.step(hidden[:, 5:6], state).state
+        b = controller.step(hidden[:, 5:6] * 2, state).state  # a second branch from the same state
+    assert not torch.equal(a.prefix_sum, b.prefix_sum)
+    assert a.prefix_sum.data_ptr() != b.prefix_sum.data_ptr()
+
+
+@pytest.mark.skipif(not KERNELS_AVAILABLE, reason="needs the CUDA extension")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cached_generation_with_every_fast_path_matches_the_full_forward(dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=101, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=None)
+    model = create_hierarchical_bem(LlamaForCausalLM(config).to("cuda", dtype).eval(),
+                                    HierarchicalBEMConfig(rank=8, chunk_size=4, attach_qkv=True))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.requires_grad and name.endswith("bem_U"):
+                param.normal_(std=0.05)
+        ids = torch.randint(3, 101, (2, 14), device="cuda")
+        full = model(input_ids=ids).logits.float()
+        out = model(input_ids=ids[:, :9], use_cache=True)
+        pieces, cache = [out.logits.float()], out.past_key_values
+        for t in range(9, 14):
+            out = model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            pieces.append(out.logits.float())
+            cache = out.past_key_values
+    tolerance = 5e-2 if dtype == torch.bfloat16 else 1e-4
+    error = (torch.cat(pieces, dim=1) - full).norm() / full.norm()
+    assert error < tolerance
