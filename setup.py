@@ -13,6 +13,17 @@ from setuptools import find_packages, setup
 KERNEL_SOURCES = ["bindings.cpp", "lowrank_update.cu", "decode_linear.cu"]
 
 
+def _use_system_compiler() -> None:
+    """Compile and link with the toolchain torch's own just-in-time builder uses (`c++` on PATH)
+    rather than the one recorded when Python was built: an extension linked by a relocated compiler
+    wrapper was seen to crash at its first C++ exception. Set CC/CXX to choose another."""
+    import shutil
+
+    if "CC" in os.environ or "CXX" in os.environ or not (shutil.which("cc") and shutil.which("c++")):
+        return
+    os.environ.update(CC="cc", CXX="c++", LDSHARED="cc -shared", LDCXXSHARED="c++ -shared")
+
+
 def cuda_extension() -> dict:
     """setup() keywords for bem._C, or {} when the extension is not to be built."""
     wanted = os.environ.get("BEM_BUILD_CUDA", "auto")
@@ -30,6 +41,7 @@ def cuda_extension() -> dict:
             raise RuntimeError("BEM_BUILD_CUDA=1 but torch has no CUDA or no CUDA toolkit (nvcc) was found")
         return {}
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    _use_system_compiler()
     csrc = os.path.join("bem", "kernels", "csrc")
     extension = CUDAExtension(
         name="bem._C",

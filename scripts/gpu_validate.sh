@@ -10,11 +10,6 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
 SUMMARY=()
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 
-# The system compiler, not the one Python was built with: extensions built by the latter crashed here
-# on the first C++ exception (see docs/kernels.md). BEM_BUILD_WITH_PYTHON_CC=1 keeps Python's choice.
-if [ "${BEM_BUILD_WITH_PYTHON_CC:-0}" != 1 ] && command -v g++ >/dev/null; then
-  export CC=gcc CXX=g++ LDSHARED="gcc -shared" LDCXXSHARED="g++ -shared"
-fi
 start=$(date +%s)
 BEM_BUILD_CUDA=1 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1 \
   || { tail -40 "$OUT/build.log"; exit 1; }

@@ -16,8 +16,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def bound(torch_err: float, dtype: torch.dtype) -> float:
-    """The kernel may err at most 2x what plain PyTorch errs in the same dtype (floored at eps/4)."""
-    return 2.0 * max(torch_err, torch.finfo(dtype).eps / 4)
+    """The kernel may err at most 2x what plain PyTorch errs in the same dtype. The floor is one
+    rounding of the output to the dtype (unit roundoff eps/2): with a handful of output elements,
+    PyTorch's error can fall below that by luck of rounding, which no implementation can promise."""
+    return 2.0 * max(torch_err, torch.finfo(dtype).eps / 2)
 
 
 def poison_allocator(device: torch.device, numel: int) -> None:

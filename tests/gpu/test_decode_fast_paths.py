@@ -51,12 +51,14 @@ def test_graph_replayed_step_equals_the_eager_step_and_the_full_sequence(batch):
 
 def test_two_caches_never_share_state_buffers():
     controller = _controller(7)
-    hidden = torch.randn(1, 6, 48, device="cuda")
+    hidden = torch.randn(1, 3, 48, device="cuda")
     with torch.no_grad():
-        state = controller(hidden[:, :5], return_state=True).state
-        a = controller.step(hidden[:, 5:6], state).state
-        b = controller.step(hidden[:, 5:6] * 2, state).state  # a second branch from the same state
+        state = controller(hidden[:, :2], return_state=True).state  # inside the prefix window (P = 4)
+        a = controller.step(hidden[:, 2:3], state).state
+        b = controller.step(hidden[:, 2:3] * 2, state).state  # a second branch from the same state
+        a_again = controller.step(hidden[:, 2:3], state).state
     assert not torch.equal(a.prefix_sum, b.prefix_sum)
+    assert torch.equal(a.prefix_sum, a_again.prefix_sum)
     assert a.prefix_sum.data_ptr() != b.prefix_sum.data_ptr()
 
 
