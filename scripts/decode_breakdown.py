@@ -1,0 +1,49 @@
+"""Where a cached decode step's time goes: BEM vs the same model with BEM disabled, at batch 1 and 16.
+Per-step wall time (synchronised), GPU busy time, and the top ops by host and device time."""
+
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from bem import HierarchicalBEMConfig, create_hierarchical_bem
+
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=64, pad_token_id=0)
+base = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+base.config._attn_implementation = "eager"
+model = create_hierarchical_bem(base, HierarchicalBEMConfig(rank=8, attach_qkv=True))
+
+
+def decode_steps(batch: int, steps: int, bem_on: bool):
+    ids = torch.randint(3, 32000, (batch, 128), device="cuda")
+    ctx = model.disable_bem() if not bem_on else torch.autocast("cuda", enabled=False)
+    with torch.no_grad(), ctx:
+        out = model(input_ids=ids, use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+for batch in (1, 16):
+    for bem_on in (False, True, False, True):
+        decode_steps(batch, 3, bem_on)  # warm-up, both variants
+    times = {name: [decode_steps(batch, 16, on) for _ in range(3)] for name, on in (("base", False), ("bem", True))}
+    base_ms, bem_ms = (sorted(times[n])[1] for n in ("base", "bem"))
+    print(f"batch {batch}: base {base_ms:.2f} ms/step, bem {bem_ms:.2f} ms/step, overhead {bem_ms / base_ms - 1:+.1%}")
+    for name, on in (("base", False), ("bem", True)):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            decode_steps(batch, 4, on)
+        events = prof.key_averages()
+        cuda_total = sum(e.self_device_time_total for e in events) / 4 / 1e3
+        print(f"  {name}: GPU busy {cuda_total:.2f} ms/step")
+        if on:
+            print(events.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=40))
+            print(events.table(sort_by="self_device_time_total", row_limit=8, max_name_column_width=40))
