@@ -15,13 +15,16 @@ KERNEL_SOURCES = ["bindings.cpp", "lowrank_update.cu", "decode_linear.cu"]
 
 def _use_system_compiler() -> None:
     """Compile and link with the toolchain torch's own just-in-time builder uses (`c++` on PATH)
-    rather than the one recorded when Python was built: an extension linked by a relocated compiler
+    rather than the one recorded when Python was built: an extension built by a relocated compiler
     wrapper was seen to crash at its first C++ exception. Set CC/CXX to choose another."""
     import shutil
 
-    if "CC" in os.environ or "CXX" in os.environ or not (shutil.which("cc") and shutil.which("c++")):
+    if "CC" in os.environ or "CXX" in os.environ:
         return
-    os.environ.update(CC="cc", CXX="c++", LDSHARED="cc -shared", LDCXXSHARED="c++ -shared")
+    for cc, cxx in (("gcc", "g++"), ("cc", "c++")):
+        if shutil.which(cc) and shutil.which(cxx):
+            os.environ.update(CC=cc, CXX=cxx, LDSHARED=f"{cc} -shared", LDCXXSHARED=f"{cxx} -shared")
+            return
 
 
 def cuda_extension() -> dict:
