@@ -11,6 +11,7 @@ SUMMARY=()
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 
 start=$(date +%s)
+rm -rf build bem/_C*.so  # a warm machine keeps the last build: always build from scratch
 BEM_BUILD_CUDA=1 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1 \
   || { tail -40 "$OUT/build.log"; exit 1; }
 SUMMARY+=("build: $(( $(date +%s) - start )) s")

@@ -157,7 +157,8 @@ def bem_linear(
     if use_fused and _direct_inference_ok(x, weight, bias, V, codes, U):
         K, r = V.shape
         y, _ = custom_ops._C.linear_forward(x.view(-1, K), weight, bias, V,
-                                            None if codes is None else codes.view(-1, r), U, float(scaling))
+                                            None if codes is None else codes.view(-1, r), U, float(scaling),
+                                            need_p=False)
         return y.view(*x.shape[:-1], U.shape[0])
     autocast_dtype = _autocast_dtype(x) if use_fused else None
     if autocast_dtype is None:

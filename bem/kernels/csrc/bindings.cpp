@@ -183,7 +183,7 @@ Tensor base_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias)
 
 std::tuple<Tensor, Tensor> linear_forward(const Tensor& x, const Tensor& weight, const OptTensor& bias,
                                           const Tensor& V, const OptTensor& codes, const Tensor& U, double scale,
-                                          int64_t mode, int64_t split_k) {
+                                          int64_t mode, int64_t split_k, bool need_p) {
   check_update_operands(x, V, codes, U);
   check_weight(x, weight, bias, U);
   const c10::cuda::CUDAGuard guard(x.device());
@@ -200,10 +200,10 @@ std::tuple<Tensor, Tensor> linear_forward(const Tensor& x, const Tensor& weight,
                 " float16/bfloat16 tokens, got M = ", M, " of ", x.scalar_type());
     const int split = decode_split_k((int)M, (int)N, (int)K, (int)r, !weight.is_contiguous(), num_sms(x.get_device()),
                                      (int)split_k);
+    // Only what this call needs: at decode sizes each allocation's host cost is comparable to the kernel.
     Tensor Y = at::empty({M, N}, x.options());
-    Tensor P = at::empty({M, r}, x.options().dtype(at::kFloat));
-    Tensor ws = at::empty({split > 1 ? split * M * N : 0}, x.options().dtype(at::kFloat));
-    Tensor ws_p = at::empty({split > 1 ? split * M * r : 0}, x.options().dtype(at::kFloat));
+    Tensor P = need_p ? at::empty({M, r}, x.options().dtype(at::kFloat)) : Tensor();
+    Tensor ws = split > 1 ? at::empty({split * M * (N + (need_p ? r : 0))}, x.options().dtype(at::kFloat)) : Tensor();
     DecodeArgs args{};
     args.X = x.data_ptr();
     args.W = weight.data_ptr();
@@ -212,9 +212,9 @@ std::tuple<Tensor, Tensor> linear_forward(const Tensor& x, const Tensor& weight,
     args.codes = codes.has_value() ? codes->data_ptr() : nullptr;
     args.U = U.data_ptr();
     args.Y = Y.data_ptr();
-    args.P = P.data_ptr<float>();
+    args.P = need_p ? P.data_ptr<float>() : nullptr;
     args.ws = split > 1 ? ws.data_ptr<float>() : nullptr;
-    args.ws_p = split > 1 ? ws_p.data_ptr<float>() : nullptr;
+    args.ws_p = split > 1 && need_p ? ws.data_ptr<float>() + split * M * N : nullptr;
     args.M = (int)M;
     args.N = (int)N;
     args.K = (int)K;
@@ -255,7 +255,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("project", &bem::project, "A B in float32 (float64 for double inputs)", py::arg("A"), py::arg("B"));
   m.def("linear_forward", &bem::linear_forward, "(Y, P) = (x W^T + b + s ((x V) ⊙ codes) U^T, x V)",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("V"), py::arg("codes"), py::arg("U"),
-        py::arg("scaling"), py::arg("mode") = 0, py::arg("split_k") = 0);
+        py::arg("scaling"), py::arg("mode") = 0, py::arg("split_k") = 0, py::arg("need_p") = true);
   m.attr("DECODE_MAX_TOKENS") = bem::kDecodeMaxTokens;
   m.attr("MAX_FUSED_RANK") = bem::kMaxFusedRank;
 }

@@ -207,7 +207,7 @@ __global__ void __launch_bounds__(kThreads) decode_linear_kernel(DecodeArgs p, D
     const bool valid = m < M && j < r;
     const float c = valid ? (codes ? to_acc(codes[(size_t)m * r + j]) : 1.f) : 0.f;
     b2[j * Lay::b2_ld + m] = from_acc<T>(p.scale * z * c);
-    if (tile == 0 && valid) {
+    if (tile == 0 && valid && p.P) {  // P (x V, for the backward) is skipped at inference
       if (partial) p.ws_p[((size_t)split * M + m) * r + j] = z;
       else p.P[(size_t)m * r + j] = z;
     }
@@ -260,7 +260,7 @@ __global__ void __launch_bounds__(kThreads) decode_linear_kernel(DecodeArgs p, D
     if (bias) v += to_acc(bias[gn]);
     Y[(size_t)m * N + gn] = from_acc<T>(v);
   }
-  if (tile == 0) {
+  if (tile == 0 && p.P) {
     for (int i = tid; i < M * r; i += kThreads) {
       float z = 0.f;
       for (int s = 0; s < (int)gridDim.y; ++s) z += __ldcg(p.ws_p + (size_t)s * M * r + i);
