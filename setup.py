@@ -14,17 +14,15 @@ KERNEL_SOURCES = ["bindings.cpp", "lowrank_update.cu", "decode_linear.cu"]
 
 
 def _use_system_compiler() -> None:
-    """Compile and link with the toolchain torch's own just-in-time builder uses (`c++` on PATH)
-    rather than the one recorded when Python was built: an extension built by a relocated compiler
-    wrapper was seen to crash at its first C++ exception. Set CC/CXX to choose another."""
+    """Compile and link with plain gcc/g++ from PATH (the toolchain torch's just-in-time builder uses)
+    instead of the compiler and link flags recorded when Python was built: an extension built that way
+    was seen to crash at its first C++ exception. BEM_CC / BEM_CXX choose other compilers."""
     import shutil
 
-    if "CC" in os.environ or "CXX" in os.environ:
-        return
-    for cc, cxx in (("gcc", "g++"), ("cc", "c++")):
-        if shutil.which(cc) and shutil.which(cxx):
-            os.environ.update(CC=cc, CXX=cxx, LDSHARED=f"{cc} -shared", LDCXXSHARED=f"{cxx} -shared")
-            return
+    cc = os.environ.get("BEM_CC") or shutil.which("gcc") or shutil.which("cc")
+    cxx = os.environ.get("BEM_CXX") or shutil.which("g++") or shutil.which("c++")
+    if cc and cxx:
+        os.environ.update(CC=cc, CXX=cxx, LDSHARED=f"{cc} -shared", LDCXXSHARED=f"{cxx} -shared")
 
 
 def cuda_extension() -> dict:

@@ -25,6 +25,11 @@ from .loader import load_extension
 _C: Optional[ModuleType] = load_extension()
 
 
+def decode_max_tokens() -> int:
+    """Most tokens the one-launch decode kernel takes (0 without the extension)."""
+    return int(getattr(_C, "DECODE_MAX_TOKENS", 0)) if _C is not None else 0
+
+
 def _extension() -> ModuleType:
     if _C is None:
         raise RuntimeError("the BEM CUDA extension is not loaded; bem.kernels.ops routes such calls to the reference")

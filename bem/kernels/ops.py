@@ -7,6 +7,7 @@ kernels run when the extension loaded, `use_fused` is true and the case is one t
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -17,6 +18,7 @@ from . import custom_ops, reference
 KERNELS_AVAILABLE: bool = custom_ops._C is not None
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+TRAINING_USES_REFERENCE = os.environ.get("BEM_FUSED_TRAINING", "0") != "1"
 MAX_FUSED_RANK = 128
 
 
@@ -79,6 +81,10 @@ def fused_unavailable_reason(
         return "the input is empty"
     if (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad):
         return "the frozen weight or bias requires grad (the kernels never compute dW or db)"
+    if TRAINING_USES_REFERENCE and torch.is_grad_enabled() and x.shape[:-1].numel() > custom_ops.decode_max_tokens():
+        # measured (docs/kernels.md): in a bf16 training step of a 1B model the cuBLAS-based reference
+        # forward + backward ran faster than the fused ops' at prefill sizes
+        return "autograd at prefill sizes: the reference path measured faster (BEM_FUSED_TRAINING=1 overrides)"
     return None
 
 

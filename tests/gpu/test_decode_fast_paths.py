@@ -106,3 +106,16 @@ def test_inference_linear_without_p_gives_the_same_output(M, K, N, split_k):
     ref = reference.bem_linear(*(t.double() for t in (x, W, b, V, c, U)), 0.5)
     assert torch.isfinite(direct).all()
     assert (direct.double() - ref).norm() / ref.norm() < 1e-2
+
+
+@pytest.mark.skipif(not KERNELS_AVAILABLE, reason="needs the CUDA extension")
+def test_default_dispatch_sends_prefill_sized_training_calls_to_the_reference(monkeypatch):
+    from bem.kernels import ops
+
+    monkeypatch.setattr(ops, "TRAINING_USES_REFERENCE", True)
+    x = torch.randn(4096, 64, device="cuda", dtype=torch.bfloat16)
+    V = torch.randn(64, 8, device="cuda", dtype=torch.bfloat16)
+    assert "reference path measured faster" in ops.fused_unavailable_reason(x, V)
+    with torch.no_grad():
+        assert ops.fused_unavailable_reason(x, V) is None
+    assert ops.fused_unavailable_reason(x[:16], V) is None  # decode sizes keep the fused kernel
