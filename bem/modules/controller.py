@@ -150,18 +150,19 @@ class HierarchicalController(nn.Module):
         # clamp_τ(v) = v * min(1, τ / ||v||), written so that ||v|| = 0 gives a scale of exactly 1
         norm = torch.linalg.vector_norm(dynamic, dim=-1, keepdim=True)
         tau = self.code_clamp_value
-        clamped = dynamic * (tau / torch.clamp(norm, min=tau))
-        codes = self.static_codes + clamped
+        scale = tau / torch.clamp(norm, min=tau)
         if self.gate is not None:
             temperature = self.gate_log_temperature.exp()
             gate = torch.sigmoid(self.gate(zp) / temperature)
-            codes = codes * gate.unsqueeze(-1)
+            # g * (static + scale * dynamic), arranged so autograd keeps one full-size tensor (dynamic)
+            codes = gate.unsqueeze(-1) * self.static_codes + dynamic * (gate.unsqueeze(-1) * scale)
         else:
             gate = None
+            codes = self.static_codes + dynamic * scale
         levels = None
         if not (self.training and torch.is_grad_enabled()):
             # kept for routing_stats(); not during training passes, where they would only cost memory
-            levels = {"prefix": prefix.detach(), "chunk": chunk.detach(), "dynamic": clamped.detach(),
+            levels = {"prefix": prefix.detach(), "chunk": chunk.detach(), "dynamic": (dynamic * scale).detach(),
                       "token": None if token is None else token.detach(),
                       "gate": None if gate is None else gate.detach(), "codes": codes.detach()}
         return codes.permute(2, 0, 1, 3).to(out_dtype).contiguous(), levels
