@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Whole-project run on a CUDA machine: build the extension once, then the requested steps, each with
 # its own time limit and log under $OUT; a one-line summary per step is printed last.
-# Usage: bash scripts/gpu_validate.sh [probe] [errors] [gpu-tests] [profile] [train] [breakdown] [cpu-tests]
+# Usage: bash scripts/gpu_validate.sh [probe] [errors] [gpu-tests] [profile] [train] [breakdown] [bench] [cpu-tests]
 set -o pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -35,6 +35,7 @@ for what in "$@"; do
     profile) step profile 300 python3 profile.py --config configs/profile_llama_1b.yaml --output-dir "$OUT" ;;
     train) step train 300 python3 benchmarks/train_throughput.py --config configs/train_llama_1b.yaml \
         --steps 6 --warmup 2 --rounds 2 --json "$OUT/train.json" ;;
+    bench) step bench 480 python3 -m bem.kernels.bench --json "$OUT/bench.json" ;;
     breakdown) step breakdown 300 env PYTHONPATH=. python3 scripts/decode_breakdown.py ;;
     cpu-tests) step cpu_tests 300 python3 -m pytest -q -x -p no:cacheprovider tests --ignore=tests/gpu ;;
     *) echo "unknown step $what" >&2; exit 2 ;;
