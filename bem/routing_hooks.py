@@ -151,8 +151,7 @@ class RoutingHooks:
             else:
                 out = self.controller.step(hidden, call.state, call.attention_mask, out_dtype=dtype)
         self.context.set_codes(out.codes)
-        if out.levels is not None:
-            self.last_levels = out.levels
+        self.last_levels = out.levels
         call.new_state = out.state
         call.codes_ready = True
         return None

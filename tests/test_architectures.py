@@ -211,7 +211,7 @@ def test_routing_stats_and_trainable_parameter_report(load_base, capsys):
         model.routing_stats()
     model(input_ids=random_ids(1, 9))
     stats = model.routing_stats()
-    assert stats["routing"] is True
+    assert stats["routing"] is True and stats["levels_recorded"]
     assert set(stats["modules"]) == set(model.bem_module_names)
     assert 0.9 < stats["gate_mean"] < 1.0  # gate starts close to one
     up = stats["modules"]["model.layers.0.mlp.up_proj"]
@@ -219,6 +219,11 @@ def test_routing_stats_and_trainable_parameter_report(load_base, capsys):
     assert up["prefix_norm"] == 0.0 and up["chunk_norm"] == 0.0  # heads start at zero
     model.print_trainable_parameters()
     assert "trainable params:" in capsys.readouterr().out
+    model.train()
+    model(input_ids=random_ids(1, 9), labels=random_ids(1, 9)).loss.backward()  # a training pass
+    stats = model.routing_stats()
+    assert not stats["levels_recorded"] and stats["modules"]["model.layers.0.mlp.up_proj"]["prefix_norm"] is None
+    assert stats["code_norm_mean"] > 0 and 0.9 < stats["gate_mean"] < 1.0
 
 
 def test_side_signals_reach_the_chunk_level(load_base):

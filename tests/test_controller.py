@@ -121,6 +121,8 @@ def test_uncertainty_gate_has_a_learnable_temperature():
 def test_training_passes_keep_no_statistics_tensors():
     controller = make_controller(seed=8).train()
     hidden = torch.randn(1, 6, 12, dtype=torch.float64)
-    assert controller(hidden).levels is None  # they would only hold memory during training
+    levels = controller(hidden).levels
+    assert levels["prefix"] is None and levels["dynamic"] is None  # they would only hold memory in training
+    assert levels["codes"] is not None and levels["gate"] is not None
     with torch.no_grad():
-        assert controller(hidden).levels is not None
+        assert controller(hidden).levels["prefix"] is not None

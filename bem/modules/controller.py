@@ -64,7 +64,7 @@ class RoutingState:
 class RoutingOutput:
     codes: torch.Tensor  # (M, B, T, r) in the requested dtype
     state: Optional[RoutingState]
-    levels: dict  # raw level contributions and gate, detached, for routing_stats()
+    levels: dict  # gate, codes and (outside training passes) each level's contribution, for routing_stats()
 
 
 def _head(in_dim: int, hidden: int, out_dim: int) -> nn.Sequential:
@@ -159,13 +159,18 @@ class HierarchicalController(nn.Module):
         else:
             gate = None
             codes = self.static_codes + dynamic * scale
-        levels = None
-        if not (self.training and torch.is_grad_enabled()):
-            # kept for routing_stats(); not during training passes, where they would only cost memory
+        out = codes.permute(2, 0, 1, 3).to(out_dtype).contiguous()
+        gate_seen = None if gate is None else gate.detach()
+        if self.training and torch.is_grad_enabled():
+            # training passes keep only what is alive anyway (the codes every block reads) and the
+            # small gate; the per-level tensors would only cost memory
+            levels = {"prefix": None, "chunk": None, "dynamic": None, "token": None, "gate": gate_seen,
+                      "codes": out.detach().permute(1, 2, 0, 3)}
+        else:
             levels = {"prefix": prefix.detach(), "chunk": chunk.detach(), "dynamic": (dynamic * scale).detach(),
-                      "token": None if token is None else token.detach(),
-                      "gate": None if gate is None else gate.detach(), "codes": codes.detach()}
-        return codes.permute(2, 0, 1, 3).to(out_dtype).contiguous(), levels
+                      "token": None if token is None else token.detach(), "gate": gate_seen,
+                      "codes": codes.detach()}
+        return out, levels
 
     # ------------------------------------------------------------------ whole sequences
     def forward(

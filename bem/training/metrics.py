@@ -52,7 +52,8 @@ def routing_summary(stats: dict[str, Any]) -> dict[str, float]:
                "routing/code_norm": stats["code_norm_mean"]}
     modules = list(stats["modules"].values())
     for level in ("prefix_norm", "chunk_norm", "token_norm"):
-        values = [m[level] for m in modules if level in m and (level != "token_norm" or m.get("token_routed"))]
+        values = [m[level] for m in modules
+                  if m.get(level) is not None and (level != "token_norm" or m.get("token_routed"))]
         if values:
             summary[f"routing/{level}"] = sum(values) / len(values)
     return summary
