@@ -164,5 +164,11 @@ class RoutingHooks:
         if cache is None and isinstance(output, tuple) and len(output) > 1:
             cache = output[1]
         if cache is not None and not isinstance(cache, (tuple, list, torch.Tensor)):
-            cache_state.set_state(cache, call.new_state)
+            previous = call.state
+            if previous is not None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                # inside a CUDA-graph capture: advance the state in place, so that every replay reads
+                # the state the previous replay wrote (the graph's inputs are fixed addresses)
+                previous.copy_from(call.new_state)
+            else:
+                cache_state.set_state(cache, call.new_state)
         return None

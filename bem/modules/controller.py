@@ -55,6 +55,11 @@ class RoutingState:
             values[f.name] = value.repeat_interleave(repeats, 0) if torch.is_tensor(value) else value
         return RoutingState(**values)
 
+    def copy_from(self, other: "RoutingState") -> None:
+        """Overwrite this state's tensors with another's, in place."""
+        for name in ("count", "prefix_sum", "chunk_ema", "open_sum"):
+            getattr(self, name).copy_(getattr(other, name))
+
     @property
     def batch_size(self) -> int:
         return self.count.shape[0]

@@ -119,3 +119,42 @@ def test_default_dispatch_sends_prefill_sized_training_calls_to_the_reference(mo
     with torch.no_grad():
         assert ops.fused_unavailable_reason(x, V) is None
     assert ops.fused_unavailable_reason(x[:16], V) is None  # decode sizes keep the fused kernel
+
+
+@pytest.mark.skipif(not KERNELS_AVAILABLE, reason="needs the CUDA extension")
+def test_cuda_graph_captured_decode_with_a_static_cache_matches_the_full_forward():
+    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+
+    torch.manual_seed(1)
+    config = LlamaConfig(vocab_size=101, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=None)
+    base = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    base.config._attn_implementation = "eager"
+    model = create_hierarchical_bem(base, HierarchicalBEMConfig(rank=8, chunk_size=3, max_prefix_tokens=5))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bem_U") or (name.startswith("controller.") and param.dim() == 2):
+                param.normal_(std=0.05)
+        ids = torch.randint(3, 101, (1, 16), device="cuda")
+        full = model(input_ids=ids).logits.float()
+        cache = StaticCache(config=config, max_cache_len=32)
+        model(input_ids=ids[:, :8], past_key_values=cache, use_cache=True,
+              cache_position=torch.arange(8, device="cuda"))
+        step_ids = ids[:, 8:9].clone()
+        position = torch.tensor([8], device="cuda")
+        eager = model(input_ids=step_ids, past_key_values=cache, use_cache=True, cache_position=position)
+        pieces = [eager.logits.float()]  # an eager step first also warms everything up before capture
+        graph = torch.cuda.CUDAGraph()
+        step_ids.copy_(ids[:, 9:10])
+        position.fill_(9)
+        with torch.cuda.graph(graph):
+            captured = model(input_ids=step_ids, past_key_values=cache, use_cache=True, cache_position=position)
+        for t in range(9, 16):
+            step_ids.copy_(ids[:, t : t + 1])
+            position.fill_(t)
+            graph.replay()
+            pieces.append(captured.logits.float().clone())
+    decoded = torch.cat(pieces, dim=1)
+    error = (decoded - full[:, 8:16]).norm() / full[:, 8:16].norm()
+    assert error < 5e-2, error
+    assert torch.isfinite(decoded).all()
