@@ -128,8 +128,9 @@ def test_cuda_graph_captured_decode_with_a_static_cache_matches_the_full_forward
     torch.manual_seed(1)
     config = LlamaConfig(vocab_size=101, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=None)
+    # sdpa: transformers' eager-attention mask builder copies a host scalar, which a capture forbids
     base = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
-    base.config._attn_implementation = "eager"
+    base.config._attn_implementation = "sdpa"
     model = create_hierarchical_bem(base, HierarchicalBEMConfig(rank=8, chunk_size=3, max_prefix_tokens=5))
     with torch.no_grad():
         for name, param in model.named_parameters():
