@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from .config import HierarchicalBEMConfig
-from .modules.bem_linear import BEMLinear, RoutingContext, linear_features
+from .modules.bem_linear import BEMLinear, RoutingContext
 from .modules.controller import HierarchicalController
 from .routing_hooks import RoutingHooks
 from .targets import plan_targets
@@ -104,7 +104,7 @@ class BEMModel(nn.Module):
         """`base_model.generate` with BEM active; the routing state rides along with the KV cache."""
         if side_signals is not None:
             beams = int(kwargs.get("num_beams", 1)) * int(kwargs.get("num_return_sequences", 1) or 1)
-            side_signals = side_signals.repeat_interleave(max(beams, 1), 0) if beams > 1 else side_signals
+            side_signals = side_signals.repeat_interleave(beams, 0) if beams > 1 else side_signals
         self._hooks.pending_side_signals = side_signals
         try:
             return self.base_model.generate(*args, **kwargs)
@@ -260,4 +260,4 @@ def create_hierarchical_bem(model: nn.Module, config: Optional[HierarchicalBEMCo
     return BEMModel(model, config)
 
 
-__all__ = ["BEMModel", "create_hierarchical_bem", "linear_features"]
+__all__ = ["BEMModel", "create_hierarchical_bem"]

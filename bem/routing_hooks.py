@@ -29,9 +29,7 @@ def _keep(tensor: torch.Tensor) -> torch.Tensor:
 @dataclass
 class CallInfo:
     attention_mask: Optional[torch.Tensor]  # (B, T_new) or None
-    past_length: int
-    state: Optional[RoutingState]
-    cache: Any
+    state: Optional[RoutingState]  # the state this call continues, or None for a new sequence
     want_state: bool
     side_signals: Optional[torch.Tensor]
     codes_ready: bool = False
@@ -76,7 +74,6 @@ class RoutingHooks:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
-        cache_state.install()
         self._handles = []
 
     # ------------------------------------------------------------------ hooks
@@ -127,7 +124,7 @@ class RoutingHooks:
         config_use_cache = getattr(getattr(module, "config", None), "use_cache", False)
         want_state = bool(use_cache if use_cache is not None else config_use_cache)
         side = self.pending_side_signals
-        self.call = CallInfo(mask, past_length, state, cache, want_state, side)
+        self.call = CallInfo(mask, state, want_state, side)
         return None
 
     def _before_first_block(self, module: nn.Module, args: tuple, kwargs: dict):

@@ -69,6 +69,16 @@ def load_base(pretrained_dirs):
     return load
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a test module: tiny models gain nothing from more, and on a shared CPU
+    the threads stall on each other."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def randomize_bem(model, seed: int = 0, scale: float = 0.3) -> None:
     """Give every BEM parameter random values so the update and every routing level matter."""
     generator = torch.Generator().manual_seed(seed)

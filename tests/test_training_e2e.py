@@ -14,13 +14,7 @@ from bem.training.cli import generate_main, train_main
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny models gain nothing from intra-op threads, and on a shared CPU they stall on each other
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_args(output_dir: Path, *extra: str) -> list[str]:

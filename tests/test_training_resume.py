@@ -26,13 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 STEPS = 30
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny models gain nothing from intra-op threads, and on a shared CPU they stall on each other
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,6 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 # Gate bias at init: sigmoid(4) ≈ 0.982, so the gate starts close to one (DESIGN §2).
 GATE_INIT_BIAS = 4.0
@@ -40,20 +39,16 @@ class RoutingState:
     side: Optional[torch.Tensor]  # (B, d) projected side signal, or None
     seen_tokens: int  # positions processed including padding (must match the KV cache length)
 
+    def _map_rows(self, fn) -> "RoutingState":
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return RoutingState(**{name: fn(v) if torch.is_tensor(v) else v for name, v in values.items()})
+
     def index_select(self, index: torch.Tensor) -> "RoutingState":
         """Rows reordered or selected (beam search)."""
-        values = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            values[f.name] = value.index_select(0, index.to(value.device)) if torch.is_tensor(value) else value
-        return RoutingState(**values)
+        return self._map_rows(lambda value: value.index_select(0, index.to(value.device)))
 
     def repeat_interleave(self, repeats: int) -> "RoutingState":
-        values = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            values[f.name] = value.repeat_interleave(repeats, 0) if torch.is_tensor(value) else value
-        return RoutingState(**values)
+        return self._map_rows(lambda value: value.repeat_interleave(repeats, 0))
 
     def copy_from(self, other: "RoutingState") -> None:
         """Overwrite this state's tensors with another's, in place."""
@@ -120,7 +115,7 @@ class HierarchicalController(nn.Module):
             self.gate = None
         from .step_graph import StepGraphs  # CUDA-graph replay of the one-token decode step
 
-        self.step_graphs: Optional[StepGraphs] = StepGraphs(self)
+        self.step_graphs = StepGraphs(self)
 
     # ------------------------------------------------------------------ shared pieces
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -190,7 +185,7 @@ class HierarchicalController(nn.Module):
         B, T, _ = hidden.shape
         out_dtype = out_dtype or hidden.dtype
         z = self.project(hidden)
-        mask = self._mask(attention_mask, B, T, z)
+        mask = self._mask(attention_mask, B, T, z.dtype, z.device)
         C, P = self.chunk_size, self.max_prefix_tokens
         pos = (mask.cumsum(1) - 1).clamp(min=0).long()  # position from the first real token
 
@@ -243,14 +238,15 @@ class HierarchicalController(nn.Module):
         return torch.einsum("kj,bjd->bkd", weights, summaries)
 
     @staticmethod
-    def _mask(attention_mask: Optional[torch.Tensor], B: int, T: int, like: torch.Tensor) -> torch.Tensor:
+    def _mask(attention_mask: Optional[torch.Tensor], B: int, T: int, dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
         if attention_mask is None:
-            return like.new_ones(B, T)
+            return torch.ones(B, T, dtype=dtype, device=device)
         if attention_mask.shape != (B, T):
             raise ValueError(
                 f"attention_mask for the new tokens must have shape ({B}, {T}), got {tuple(attention_mask.shape)}"
             )
-        return (attention_mask != 0).to(like.dtype)
+        return (attention_mask != 0).to(dtype)
 
     # ------------------------------------------------------------------ incremental (cached) decoding
     def step(
@@ -265,9 +261,9 @@ class HierarchicalController(nn.Module):
         if state.batch_size != B:
             raise ValueError(f"routing state holds {state.batch_size} sequences but the input has {B}")
         out_dtype = out_dtype or hidden.dtype
-        mask = self._mask(attention_mask, B, T, hidden.new_empty(0, dtype=self.input_proj.weight.dtype))
+        mask = self._mask(attention_mask, B, T, self.input_proj.weight.dtype, hidden.device)
         tensors = (state.count, state.prefix_sum, state.chunk_ema, state.open_sum, state.side)
-        if self.step_graphs is not None and self.step_graphs.eligible(hidden):
+        if self.step_graphs.eligible(hidden):
             codes, levels, *advanced = self.step_graphs.run(hidden, mask, tensors, out_dtype)
         else:
             codes, levels, *advanced = self.step_math(hidden, mask, *tensors, out_dtype=out_dtype)

@@ -37,17 +37,21 @@ class Profiler:
         return workloads.random_batches(self.vocab, batch, length, self.config.seed + salt, self.device)
 
     # ------------------------------------------------------------------ prefill
+    def _add_controller_run(self, runs: dict, method: str) -> None:
+        """Time the controller alone on the exact call (`forward` or `step`) it gets inside BEM's run."""
+        controller = self.variants.bem.controller
+        if controller is not None:
+            with capture_last_call(controller, method) as call:
+                runs["bem"](0)
+            runs["controller"] = replay(controller, method, call)
+
     def prefill(self, batch: int, length: int) -> None:
         name = f"prefill b{batch} s{length}"
         self.log(f"  {name}")
         batches = self._batches(batch, length, salt=batch * 100_003 + length)
         runs = {key: workloads.prefill(model, batches, self.logits_to_keep)
                 for key, model in self.variants.named().items()}
-        controller = self.variants.bem.controller
-        if controller is not None:
-            with capture_last_call(controller, "forward") as call:
-                runs["bem"](0)
-            runs["controller"] = replay(controller, "forward", call)
+        self._add_controller_run(runs, "forward")
         samples = self._time(runs)
         self._add(name, "prefill", {"batch": batch, "sequence": length}, "ms", samples)
 
@@ -61,11 +65,7 @@ class Profiler:
         for key, model in self.variants.named().items():
             runs[key] = workloads.generation(model, batches, spec.new_tokens, self.pad_token_id)
             runs[f"{key}:first"] = workloads.generation(model, batches, 1, self.pad_token_id)
-        controller = self.variants.bem.controller
-        if controller is not None:
-            with capture_last_call(controller, "step") as call:
-                runs["bem"](0)
-            runs["controller"] = replay(controller, "step", call)
+        self._add_controller_run(runs, "step")
         samples = self._time(runs)
         # per generated token: (generate N - generate 1) / (N - 1) leaves out the prompt's prefill
         per_token = {}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence, Union
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -50,13 +50,13 @@ def _generate_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> Optional[argparse.Namespace]:
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> Union[argparse.Namespace, int]:
+    """The parsed arguments, or the exit code when argparse already answered (--help, usage error)."""
     try:
         # intermixed: options may come after the KEY=VALUE overrides
         return parser.parse_intermixed_args(list(argv))
     except SystemExit as exit_:
-        # argparse already printed usage/help; keep its code (0 for --help, 2 for errors)
-        return None if exit_.code else argparse.Namespace(help_shown=True)
+        return EXIT_USAGE if exit_.code else EXIT_OK
 
 
 def _error(prog: str, message: str) -> None:
@@ -64,12 +64,9 @@ def _error(prog: str, message: str) -> None:
 
 
 def train_main(argv: list[str]) -> int:
-    parser = _train_parser()
-    args = _parse(parser, argv)
-    if args is None:
-        return EXIT_USAGE
-    if getattr(args, "help_shown", False):
-        return EXIT_OK
+    args = _parse(_train_parser(), argv)
+    if isinstance(args, int):
+        return args
     from .config import load_train_config
     from .schema import ConfigError
 
@@ -106,12 +103,9 @@ def _train(config) -> int:
 
 
 def generate_main(argv: list[str]) -> int:
-    parser = _generate_parser()
-    args = _parse(parser, argv)
-    if args is None:
-        return EXIT_USAGE
-    if getattr(args, "help_shown", False):
-        return EXIT_OK
+    args = _parse(_generate_parser(), argv)
+    if isinstance(args, int):
+        return args
     if args.max_new_tokens < 1:
         _error("bem generate", f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
         return EXIT_USAGE
