@@ -10,7 +10,7 @@ import os
 
 from setuptools import find_packages, setup
 
-KERNEL_SOURCES = ["bindings.cpp", "lowrank_update.cu", "decode_linear.cu"]
+KERNEL_SOURCES = ["bindings.cpp", "lowrank_update.cu", "decode_linear.cu", "decode_stream.cu", "lowrank_stream.cu"]
 
 
 def _use_system_compiler() -> None:

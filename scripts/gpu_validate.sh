@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Whole-project run on a CUDA machine: build the extension once, then the requested steps, each with
 # its own time limit and log under $OUT; a one-line summary per step is printed last.
-# Usage: bash scripts/gpu_validate.sh [probe] [errors] [gpu-tests] [profile] [train] [breakdown] [bench] [cpu-tests]
+# Usage: bash scripts/gpu_validate.sh [probe] [errors] [kernel-tests] [gpu-tests] [profile] [train] [breakdown]
+#        [bench] [bench-shapes] [sass] [ncu] [cpu-tests]   (bench-shapes reads BENCH_SHAPES, e.g. 1x4096x4096x8,...)
 set -o pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -31,6 +32,13 @@ for what in "$@"; do
     probe) step probe 120 python3 scripts/exception_probe.py ;;
     gpu-tests) step gpu_tests 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu \
         --ignore=tests/gpu/test_kernel_errors.py ;;
+    kernel-tests) step kernel_tests 200 python3 -m pytest -m gpu -q --maxfail=10 -p no:cacheprovider \
+        tests/gpu/test_kernel_forward.py tests/gpu/test_kernel_backward.py tests/gpu/test_kernel_compile_graphs.py ;;
+    bench-shapes) step bench_shapes 400 python3 -m bem.kernels.bench --shapes "$BENCH_SHAPES" --json "$OUT/bench.json" ;;
+    sass) step sass 120 bash scripts/sass_summary.sh ;;
+    ncu) step ncu 240 ncu --clock-control none -k regex:'stream_kernel|gemv|nvjet|gemm' --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section LaunchStats \
+        env PYTHONPATH=. python3 scripts/ncu_kernels.py ;;
     errors) step kernel_errors 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_kernel_errors.py ;;
     profile) step profile 300 python3 profile.py --config configs/profile_llama_1b.yaml --output-dir "$OUT" ;;
     train) step train 300 python3 benchmarks/train_throughput.py --config configs/train_llama_1b.yaml \

@@ -71,10 +71,16 @@ def ceilings() -> dict:
     src = torch.randint(0, 255, (n,), device="cuda", dtype=torch.uint8)
     dst = torch.empty_like(src)
     copy_ms = _median_ms(lambda: dst.copy_(src))
+    # read-only and write-only rates: the update reads x in one phase and writes Y in another
+    floats = src.view(torch.float32).uniform_()
+    read_ms = _median_ms(lambda: floats.sum())
+    write_ms = _median_ms(lambda: dst.fill_(1))
+    del floats
     a = torch.randn(8192, 8192, device="cuda", dtype=DTYPE)
     b = torch.randn(8192, 8192, device="cuda", dtype=DTYPE)
     mm_ms = _median_ms(lambda: a @ b)
-    return {"copy_GBps": 2 * n / copy_ms / 1e6, "bf16_TFLOPs": 2 * 8192**3 / mm_ms / 1e9}
+    return {"copy_GBps": 2 * n / copy_ms / 1e6, "read_GBps": n / read_ms / 1e6, "write_GBps": n / write_ms / 1e6,
+            "bf16_TFLOPs": 2 * 8192**3 / mm_ms / 1e9}
 
 
 def _sets(M: int, K: int, N: int, r: int, l2_bytes: int) -> list[dict]:
@@ -111,9 +117,10 @@ def _forward_variants(sets: list[dict], s: float, M: int) -> dict[str, Callable[
             pick(i)["x"], pick(i)["W"], pick(i)["b"], pick(i)["V"].detach(), pick(i)["c"].detach(),
             pick(i)["U"].detach(), s),
     }
-    modes = {1: "fused decode kernel", 2: "fused gemm+update", 3: "fused update+gemm", 4: "fused gemm+addmm"}
+    modes = {1: "fused decode (stream)", 5: "fused decode (tiles)", 2: "fused gemm+update",
+             3: "fused update+gemm", 4: "fused gemm+addmm"}
     for mode, name in modes.items():
-        if mode == 1 and M > 64:
+        if mode in (1, 5) and M > custom_ops.decode_max_tokens():
             continue
         variants[name] = (lambda mode: lambda i: custom_ops._C.linear_forward(
             pick(i)["x"], pick(i)["W"], pick(i)["b"], pick(i)["V"].detach(), pick(i)["c"].detach(),
@@ -153,6 +160,10 @@ def _update_variants(sets: list[dict], s: float) -> dict[str, Callable[[int], ob
             pick(i)["x"], pick(i)["V"].detach(), pick(i)["c"].detach(), pick(i)["U"].detach(), s),
         "update fused": lambda i: ops.generated_update(
             pick(i)["x"], pick(i)["V"].detach(), pick(i)["c"].detach(), pick(i)["U"].detach(), s),
+        "update stream kernel": lambda i: custom_ops._C.update_forward(
+            pick(i)["x"], pick(i)["V"].detach(), pick(i)["c"].detach(), pick(i)["U"].detach(), s, 1),
+        "update tiles kernel": lambda i: custom_ops._C.update_forward(
+            pick(i)["x"], pick(i)["V"].detach(), pick(i)["c"].detach(), pick(i)["U"].detach(), s, 2),
         "x V only (fused)": lambda i: custom_ops._C.project(pick(i)["x"], pick(i)["V"].detach()),
     }
 
@@ -202,9 +213,20 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
+    shapes = []
+    for item in text.split(","):
+        parts = item.strip().lower().split("x")
+        if len(parts) != 4 or not all(part.isdigit() and int(part) > 0 for part in parts):
+            raise argparse.ArgumentTypeError(f"a shape is MxKxNxR with positive integers, got {item!r}")
+        shapes.append(tuple(int(part) for part in parts))
+    return shapes
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a handful of shapes")
+    parser.add_argument("--shapes", type=_parse_shapes, help="comma-separated MxKxNxR, e.g. 1x4096x4096x8,16384x4096x4096x32")
     parser.add_argument("--json", help="write every number to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or not ops.KERNELS_AVAILABLE:
@@ -216,10 +238,11 @@ def main(argv: list[str] | None = None) -> None:
     warm_up()
     ceil = ceilings()
     header = (f"{props.name}, torch {torch.__version__}, bf16; copy {ceil['copy_GBps']:.0f} GB/s (read+write), "
+              f"read {ceil['read_GBps']:.0f} GB/s, write {ceil['write_GBps']:.0f} GB/s, "
               f"matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s")
     print(header, flush=True)
     results = []
-    for M, K, N, r in SHAPES_QUICK if args.quick else SHAPES_FULL:
+    for M, K, N, r in args.shapes or (SHAPES_QUICK if args.quick else SHAPES_FULL):
         result = bench_shape(M, K, N, r, ceil["copy_GBps"], l2_bytes)
         results.append(result)
         print(format_table(result), flush=True)
@@ -227,14 +250,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": props.name, "ceilings": ceil, "results": results}, f, indent=1)
-    print("\nSummary (ratios to F.linear; update alone as % of copy bandwidth)")
-    print(f"{'M':>6}{'K':>6}{'N':>6}{'r':>4}{'PEFT':>7}{'ref':>7}{'fused':>7}{'fb ref':>8}{'fb fused':>9}{'upd %cp':>9}")
+    print("\nSummary (ratios to F.linear; update alone as % of copy bandwidth: default, streaming and tiles kernels)")
+    print(f"{'M':>6}{'K':>6}{'N':>6}{'r':>4}{'PEFT':>7}{'ref':>7}{'fused':>7}{'fb ref':>8}{'fb fused':>9}"
+          f"{'upd %cp':>9}{'stream':>8}{'tiles':>7}")
     for res in results:
         shp, fwd, fb = res["shape"], res["forward_ms"], res["forward_backward_ms"]
         print(f"{shp['M']:>6}{shp['K']:>6}{shp['N']:>6}{shp['r']:>4}"
               f"{fwd['PEFT LoRA'] / fwd['F.linear']:>7.2f}{fwd['BEM reference'] / fwd['F.linear']:>7.2f}"
               f"{fwd['BEM fused'] / fwd['F.linear']:>7.2f}{fb['BEM reference'] / fb['F.linear']:>8.2f}"
-              f"{fb['BEM fused'] / fb['F.linear']:>9.2f}{res['update_pct_copy']['update fused']:>9.1f}")
+              f"{fb['BEM fused'] / fb['F.linear']:>9.2f}{res['update_pct_copy']['update fused']:>9.1f}"
+              f"{res['update_pct_copy']['update stream kernel']:>8.1f}{res['update_pct_copy']['update tiles kernel']:>7.1f}")
     print(header)
 
 

@@ -65,3 +65,15 @@ def test_dispatch_handles_what_the_kernels_refuse():
     V8, U8 = V[:, :8].contiguous(), U[:, :8].contiguous()
     out = ops.bem_linear(x, W, None, V8, None, U8, 1.0)
     assert torch.allclose(out.float(), (x @ W.t() + (x @ V8) @ U8.t()).float(), rtol=3e-2, atol=3e-2)
+
+
+def test_kernel_choice_arguments_are_checked():
+    x, V, U = _args()
+    with pytest.raises(ValueError, match="unknown update kernel 7"):
+        custom_ops._C.update_forward(x, V, None, U, 1.0, 7)
+    W = torch.randn(16, 32, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="unknown linear mode 9"):
+        custom_ops._C.linear_forward(x, W, None, V, None, U, 1.0, 9)
+    if torch.cuda.get_device_capability()[0] >= 9:  # the streaming decode kernel runs on Hopper
+        with pytest.raises(ValueError, match="1, 2, 4 or 8 blocks, got split_k = 3"):
+            custom_ops._C.linear_forward(x, W, None, V, None, U, 1.0, 1, 3)

@@ -53,10 +53,10 @@ def test_bem_linear_matches_float64(dtype, M, K, N, r, transposed):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("mode", [1, 2, 3, 4])
+@pytest.mark.parametrize("mode", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("M", [1, 16, 64])
 def test_every_linear_mode_agrees(dtype, mode, M):
-    """The decode kernel and the three GEMM + update compositions compute the same function."""
+    """Both decode kernels and the three GEMM + update compositions compute the same function."""
     x, W, b, V, c, U = operands(M, 768, 1000, 16, dtype, codes=True, seed=M * 10 + mode)
     ref = linear_ref64(x, W, b, V, c, U, 1.5)
     torch_err = rel_err(reference.bem_linear(x, W, b, V, c, U, 1.5), ref)
@@ -67,16 +67,72 @@ def test_every_linear_mode_agrees(dtype, mode, M):
 
 
 @pytest.mark.parametrize("split_k", [1, 2, 3, 7, 16])
-def test_decode_split_k_is_exact_and_repeatable(split_k):
+def test_decode_tiles_split_k_is_exact_and_repeatable(split_k):
     """Every split count gives the right answer, twice in a row (the arrival counters reset themselves)."""
     x, W, b, V, c, U = operands(5, 2048, 640, 8, torch.bfloat16, codes=True, seed=split_k)
     ref = linear_ref64(x, W, b, V, c, U, 1.0)
     torch_err = rel_err(reference.bem_linear(x, W, b, V, c, U, 1.0), ref)
-    first, P1 = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.0, 1, split_k)
-    second, P2 = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.0, 1, split_k)
+    first, P1 = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.0, 5, split_k)
+    second, P2 = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.0, 5, split_k)
     assert rel_err(first, ref) <= bound(torch_err, torch.bfloat16)
     assert torch.equal(first, second) and torch.equal(P1, P2)
     assert rel_err(P1, x.double() @ V.double()) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("split_k", [0, 1, 2, 4, 8])
+@pytest.mark.parametrize("M,K,N", [(1, 4096, 4096), (5, 2056, 1000), (8, 520, 130), (9, 264, 77),
+                                   (16, 4096, 14336), (13, 14336, 520)])
+@pytest.mark.parametrize("r", [1, 8, 13, 64, 128])
+def test_decode_stream_kernel_matches_float64(dtype, split_k, M, K, N, r):
+    """The streaming decode kernel (cluster split-K, K % 8 == 0) at every cluster size, odd N and odd
+    ranks, with and without bias; two calls give identical bits (the cluster sum has a fixed order)."""
+    seed = hash((M, K, N, r, split_k, str(dtype))) % 10_000
+    x, W, b, V, c, U = operands(M, K, N, r, dtype, codes=r != 13, seed=seed)
+    bias = None if r == 64 else b
+    ref = linear_ref64(x, W, bias, V, c, U, 1.25)
+    torch_err = rel_err(reference.bem_linear(x, W, bias, V, c, U, 1.25), ref)
+    poison_allocator(x.device, M * N)
+    first, P1 = custom_ops._C.linear_forward(x, W, bias, V, c, U, 1.25, 1, split_k)
+    second, P2 = custom_ops._C.linear_forward(x, W, bias, V, c, U, 1.25, 1, split_k)
+    err = rel_err(first, ref)
+    assert err <= bound(torch_err, dtype), f"kernel {err:.3g} vs torch {torch_err:.3g}"
+    assert torch.equal(first, second) and torch.equal(P1, P2)
+    assert rel_err(P1, x.double() @ V.double()) < 1e-2
+    y_inference, _ = custom_ops._C.linear_forward(x, W, bias, V, c, U, 1.25, 1, split_k, False)
+    assert torch.equal(y_inference, first)
+
+
+@pytest.mark.parametrize("kernel", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,K,N", [(1, 64, 40), (37, 136, 77), (1000, 520, 264), (2053, 1024, 1000),
+                                   (4096, 768, 768)])
+@pytest.mark.parametrize("r", [1, 8, 13, 16, 24, 32, 40, 64])
+def test_update_kernels_match_float64(kernel, dtype, M, K, N, r):
+    """Both update kernels, forced (1: streaming, for K and r multiples of 8; 2: tiles), x V too."""
+    seed = hash((M, K, N, r, kernel, str(dtype))) % 10_000
+    x, _, _, V, c, U = operands(M, K, N, r, dtype, codes=r != 13, seed=seed)
+    ref = update_ref64(x, V, c, U, 0.8)
+    torch_err = rel_err(reference.generated_update(x, V, c, U, 0.8), ref)
+    poison_allocator(x.device, M * N)
+    y, P = custom_ops._C.update_forward(x, V, c, U, 0.8, kernel)
+    err = rel_err(y, ref)
+    assert err <= bound(torch_err, dtype), f"kernel {err:.3g} vs torch {torch_err:.3g}"
+    assert rel_err(P, x.double() @ V.double()) < 1e-2
+
+
+@pytest.mark.parametrize("mode", [2, 3])
+@pytest.mark.parametrize("M,N", [(1100, 1000), (2048, 77)])
+def test_streaming_update_inside_the_linear(mode, M, N):
+    """Prefill compositions at sizes where the streaming kernel runs by default (rank above 32): bias
+    in the update (mode 3) and accumulation into the GEMM output (mode 2), N not a multiple of 8."""
+    x, W, b, V, c, U = operands(M, 512, N, 40, torch.bfloat16, codes=True, seed=M + N + mode)
+    ref = linear_ref64(x, W, b, V, c, U, 1.5)
+    torch_err = rel_err(reference.bem_linear(x, W, b, V, c, U, 1.5), ref)
+    poison_allocator(x.device, M * N)
+    y, P = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, mode)
+    assert rel_err(y, ref) <= bound(torch_err, torch.bfloat16)
+    assert rel_err(P, x.double() @ V.double()) < 1e-2
 
 
 def test_leading_dims_and_non_contiguous_input():

@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <climits>
+#include <cstdint>
 #include <mutex>
 #include <stdexcept>
 #include <vector>
@@ -28,10 +29,11 @@ using OptTensor = c10::optional<Tensor>;
 // How bem_linear_forward composes x W^T with the update (mode argument; 0 picks by shape).
 enum LinearMode : int64_t {
   kAuto = 0,
-  kDecode = 1,           // one kernel: W read once, split-K (M <= 64, fp16/bf16)
+  kDecode = 1,           // one kernel that reads W once: the streaming kernel where it fits, else kDecodeTiles
   kGemmThenUpdate = 2,   // cuBLAS x W^T + b, then the update kernel accumulates into Y
   kUpdateThenGemm = 3,   // update kernel writes update + b, then cuBLAS adds x W^T (beta = 1)
   kGemmThenAddmm = 4,    // update kernel computes only X V; cuBLAS adds (s X V ⊙ c) U^T (beta = 1)
+  kDecodeTiles = 5,      // the tiled split-K decode kernel (M <= 64, any layout, sm_80+)
 };
 // Chosen by measurement at prefill sizes (docs/kernels.md).
 constexpr LinearMode kPrefillMode = kUpdateThenGemm;
@@ -93,36 +95,65 @@ void check_update_operands(const Tensor& x, const Tensor& V, const OptTensor& co
 
 at::ScalarType p_dtype(const Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
-cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+cudaStream_t stream_now() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
-int num_sms(int device) {
+// A device attribute, read once per device (decode calls are host-bound: no driver query per call).
+int device_attribute(cudaDeviceAttr attribute, int device) {
   static std::mutex lock;
-  static std::vector<int> cache;
+  static std::vector<std::pair<int, int>> cache;  // (multiprocessors, compute capability major)
   std::lock_guard<std::mutex> guard(lock);
-  if (device >= (int)cache.size()) cache.resize(device + 1, 0);
-  if (cache[device] == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&cache[device], cudaDevAttrMultiProcessorCount, device));
+  if (device >= (int)cache.size()) cache.resize(device + 1, {0, 0});
+  if (cache[device].first == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&cache[device].first, cudaDevAttrMultiProcessorCount, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&cache[device].second, cudaDevAttrComputeCapabilityMajor, device));
   }
-  return cache[device];
+  return attribute == cudaDevAttrMultiProcessorCount ? cache[device].first : cache[device].second;
 }
 
+int num_sms(int device) { return device_attribute(cudaDevAttrMultiProcessorCount, device); }
+int cc_major(int device) { return device_attribute(cudaDevAttrComputeCapabilityMajor, device); }
+
+// Which kernel computes the generated update (update_forward's `kernel` argument; 0 picks by shape).
+enum UpdateKernel : int64_t {
+  kUpdateAuto = 0,
+  kUpdateStream = 1,  // lowrank_stream.cu: 16 rows per block, A and B^T straight into registers
+  kUpdateTiles = 2,   // lowrank_update.cu: 32 rows per block through shared memory (any K, any rank)
+};
+// By default the streaming kernel takes ranks above 32 from this many rows: measured on an H200
+// (docs/kernels.md), it beat the tiles kernel there and lost to it at ranks 8 to 32.
+constexpr int64_t kStreamMinRows = 1024;
+constexpr int64_t kStreamMinAutoRank = 33;
+
 // Too few 32-row groups to fill the GPU: the projection A B then goes to cuBLAS (rounded to A's dtype,
-// as plain PyTorch rounds it) and the kernel only expands it.
+// as plain PyTorch rounds it) and the tiles kernel only expands it.
 bool small_m(const Tensor& A) {
   return tensor_core_dtype(A) && (A.size(0) + 31) / 32 < num_sms(A.get_device());
 }
 
+bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// The streaming kernel loads rows of A, B^T and U 16 bytes at a time: K and r multiples of 8.
+bool stream_takes(const Tensor& A, const Tensor& B, const Tensor* U, int64_t kernel) {
+  if (kernel == kUpdateTiles || !tensor_core_dtype(A) || A.size(1) % 8 != 0 || B.size(1) % 8 != 0 ||
+      B.size(1) > kStreamMaxRank || !aligned16(A) || (U != nullptr && !aligned16(*U)))
+    return false;
+  return kernel == kUpdateStream || (A.size(0) >= kStreamMinRows && B.size(1) >= kStreamMinAutoRank);
+}
+
 // Y (=|+=) s ((A B) ⊙ codes) U^T (+ bias); returns P = A B.
 Tensor run_update(const Tensor& A, const Tensor& B, const OptTensor& codes, const Tensor* U, const Tensor* bias,
-                  Tensor* Y, double scale, bool accumulate) {
+                  Tensor* Y, double scale, bool accumulate, int64_t kernel = kUpdateAuto) {
   const int64_t M = A.size(0), r = B.size(1);
+  const bool stream = M > 0 && stream_takes(A, B, U, kernel);
   // float32: cuBLAS's blocked sums are more accurate than the simple kernel's running sum.
-  const bool given = small_m(A) || A.scalar_type() == at::kFloat;
+  const bool given = !stream && (small_m(A) || A.scalar_type() == at::kFloat);
   Tensor P = given ? at::mm(A, B).to(at::kFloat) : at::empty({M, r}, A.options().dtype(p_dtype(A)));
   if (M == 0 || (given && Y == nullptr)) return P;
+  const Tensor Bt = stream ? B.t().contiguous() : Tensor();  // r x L: a small copy, rows of B^T are contiguous
   LowRankArgs args{};
   args.A = A.data_ptr();
   args.B = B.data_ptr();
+  args.Bt = stream ? Bt.data_ptr() : nullptr;
   args.codes = codes.has_value() ? codes->data_ptr() : nullptr;
   args.U = U ? U->data_ptr() : nullptr;
   args.bias = bias ? bias->data_ptr() : nullptr;
@@ -137,16 +168,21 @@ Tensor run_update(const Tensor& A, const Tensor& B, const OptTensor& codes, cons
   args.scale = scale;
   args.expand = Y != nullptr;
   args.accumulate = accumulate;
-  C10_CUDA_CHECK(launch_lowrank_update(dtype_of(A), args, stream()));
+  if (stream) {
+    C10_CUDA_CHECK(launch_lowrank_stream(dtype_of(A), args, stream_now()));
+  } else {
+    C10_CUDA_CHECK(launch_lowrank_update(dtype_of(A), args, stream_now()));
+  }
   return P;
 }
 
 std::tuple<Tensor, Tensor> update_forward(const Tensor& x, const Tensor& V, const OptTensor& codes, const Tensor& U,
-                                          double scale) {
+                                          double scale, int64_t kernel) {
+  BEM_CHECK(kernel >= kUpdateAuto && kernel <= kUpdateTiles, "unknown update kernel ", kernel);
   check_update_operands(x, V, codes, U);
   const c10::cuda::CUDAGuard guard(x.device());
   Tensor Y = at::empty({x.size(0), U.size(0)}, x.options());
-  Tensor P = run_update(x, V, codes, &U, nullptr, &Y, scale, /*accumulate=*/false);
+  Tensor P = run_update(x, V, codes, &U, nullptr, &Y, scale, /*accumulate=*/false, kernel);
   return {Y, P};
 }
 
@@ -191,19 +227,13 @@ std::tuple<Tensor, Tensor> linear_forward(const Tensor& x, const Tensor& weight,
   const bool fits_decode = tensor_core_dtype(x) && M >= 1 && M <= kDecodeMaxTokens &&
                            (N + kDecodeTileN - 1) / kDecodeTileN <= kMaxDecodeTiles;
   if (mode == kAuto) mode = fits_decode ? kDecode : kPrefillMode;
-  BEM_CHECK(mode >= kDecode && mode <= kGemmThenAddmm, "unknown linear mode ", mode);
+  BEM_CHECK(mode >= kDecode && mode <= kDecodeTiles, "unknown linear mode ", mode);
   if (!tensor_core_dtype(x) || M == 0) mode = kGemmThenUpdate;  // float/double: cuBLAS + simple kernels
   const Tensor* bias_ptr = bias.has_value() ? &*bias : nullptr;
 
-  if (mode == kDecode) {
+  if (mode == kDecode || mode == kDecodeTiles) {
     BEM_CHECK(fits_decode, "the decode kernel takes 1..", kDecodeMaxTokens,
                 " float16/bfloat16 tokens, got M = ", M, " of ", x.scalar_type());
-    const int split = decode_split_k((int)M, (int)N, (int)K, (int)r, !weight.is_contiguous(), num_sms(x.get_device()),
-                                     (int)split_k);
-    // Only what this call needs: at decode sizes each allocation's host cost is comparable to the kernel.
-    Tensor Y = at::empty({M, N}, x.options());
-    Tensor P = need_p ? at::empty({M, r}, x.options().dtype(at::kFloat)) : Tensor();
-    Tensor ws = split > 1 ? at::empty({split * M * (N + (need_p ? r : 0))}, x.options().dtype(at::kFloat)) : Tensor();
     DecodeArgs args{};
     args.X = x.data_ptr();
     args.W = weight.data_ptr();
@@ -211,19 +241,33 @@ std::tuple<Tensor, Tensor> linear_forward(const Tensor& x, const Tensor& weight,
     args.V = V.data_ptr();
     args.codes = codes.has_value() ? codes->data_ptr() : nullptr;
     args.U = U.data_ptr();
-    args.Y = Y.data_ptr();
-    args.P = need_p ? P.data_ptr<float>() : nullptr;
-    args.ws = split > 1 ? ws.data_ptr<float>() : nullptr;
-    args.ws_p = split > 1 && need_p ? ws.data_ptr<float>() + split * M * N : nullptr;
     args.M = (int)M;
     args.N = (int)N;
     args.K = (int)K;
     args.r = (int)r;
     args.scale = (float)scale;
     args.w_transposed = !weight.is_contiguous();
+    // Only what this call needs: at decode sizes each allocation's host cost is comparable to the kernel.
+    Tensor Y = at::empty({M, N}, x.options());
+    Tensor P = need_p ? at::empty({M, r}, x.options().dtype(at::kFloat)) : Tensor();
+    args.Y = Y.data_ptr();
+    args.P = need_p ? P.data_ptr<float>() : nullptr;
+    if (mode == kDecode && decode_stream_fits(args, cc_major(x.get_device()))) {
+      args.split_k = split_k > 0 ? (int)split_k : decode_stream_split((int)N, (int)K, x.get_device());
+      BEM_CHECK(args.split_k <= kDecodeStreamMaxCluster && (args.split_k & (args.split_k - 1)) == 0,
+                  "the streaming decode kernel splits K over 1, 2, 4 or 8 blocks, got split_k = ", split_k);
+      args.k_per_split = ((int)K + args.split_k * 32 - 1) / (args.split_k * 32) * 32;
+      C10_CUDA_CHECK(launch_decode_stream(dtype_of(x), args, stream_now()));
+      return {Y, P};
+    }
+    const int split = decode_split_k((int)M, (int)N, (int)K, (int)r, args.w_transposed, num_sms(x.get_device()),
+                                     (int)split_k);
+    Tensor ws = split > 1 ? at::empty({split * M * (N + (need_p ? r : 0))}, x.options().dtype(at::kFloat)) : Tensor();
+    args.ws = split > 1 ? ws.data_ptr<float>() : nullptr;
+    args.ws_p = split > 1 && need_p ? ws.data_ptr<float>() + split * M * N : nullptr;
     args.split_k = split;
     args.k_per_split = decode_k_per_split((int)K, split);
-    C10_CUDA_CHECK(launch_decode_linear(dtype_of(x), args, stream()));
+    C10_CUDA_CHECK(launch_decode_linear(dtype_of(x), args, stream_now()));
     return {Y, P};
   }
   if (mode == kGemmThenUpdate) {
@@ -251,7 +295,7 @@ std::tuple<Tensor, Tensor> linear_forward(const Tensor& x, const Tensor& weight,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "BEM fused generated-update kernels";
   m.def("update_forward", &bem::update_forward, "(Y, P) = (s ((x V) ⊙ codes) U^T, x V)", py::arg("x"),
-        py::arg("V"), py::arg("codes"), py::arg("U"), py::arg("scaling"));
+        py::arg("V"), py::arg("codes"), py::arg("U"), py::arg("scaling"), py::arg("kernel") = 0);
   m.def("project", &bem::project, "A B in float32 (float64 for double inputs)", py::arg("A"), py::arg("B"));
   m.def("linear_forward", &bem::linear_forward, "(Y, P) = (x W^T + b + s ((x V) ⊙ codes) U^T, x V)",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("V"), py::arg("codes"), py::arg("U"),

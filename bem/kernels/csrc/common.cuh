@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 #include <mma.h>
 #include <cstdint>
+#include <type_traits>
 
 namespace bem {
 
@@ -58,6 +59,61 @@ template <typename T> __device__ __forceinline__ uint4 pack8(const float in[8]) 
 #pragma unroll
   for (int i = 0; i < 8; ++i) v[i] = from_acc<T>(in[i]);
   return raw;
+}
+
+// ---- register-direct tensor-core helpers (mma.sync m16n8k16, sm_80+) ----
+//
+// A 16-byte load of 8 consecutive k values per thread feeds two m16n8k16 steps directly from
+// registers: thread (group g = lane / 4, c = lane % 4) holds k = 8c .. 8c+7 of its row; words 0-1 are
+// the step-1 fragment (logical k pairs 2c and 2c+8) and words 2-3 the step-2 one. The sum over k does
+// not care which physical k a logical k stands for, as long as both operands use the same map.
+
+__device__ __forceinline__ uint4 zero4() { return make_uint4(0, 0, 0, 0); }
+
+// Read-once streaming load (weights): no L1 allocation.
+__device__ __forceinline__ uint4 ld_stream16(const void* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+// Reused read-only load (activations, adapter weights): through L1.
+__device__ __forceinline__ uint4 ld_cached16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+// D += A B for one m16n8k16 tile, fp32 accumulation. a: 4 words (rows g, g+8 x k pairs lo, hi as
+// {row g lo, row g+8 lo, row g hi, row g+8 hi}); b: 2 words (column g, k pairs lo, hi).
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                          uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+// Pulls [p, p + bytes) into L1 without holding registers: issued early, the small operands of an
+// epilogue arrive while the main loop streams.
+__device__ __forceinline__ void prefetch_l1(const void* p, size_t bytes, int tid, int threads) {
+  const char* base = static_cast<const char*>(p);
+  for (size_t off = (size_t)tid * 128; off < bytes; off += (size_t)threads * 128)
+    asm volatile("prefetch.global.L1 [%0];\n" ::"l"(base + off));
+}
+
+// Two 16-bit values as one mma operand word (lo in the low half).
+template <typename T> __device__ __forceinline__ uint32_t pack2(T lo, T hi) {
+  uint16_t l, h;
+  memcpy(&l, &lo, 2);
+  memcpy(&h, &hi, 2);
+  return (uint32_t)l | ((uint32_t)h << 16);
 }
 
 }  // namespace bem

@@ -26,6 +26,7 @@ struct LowRankArgs {
   void* Y;
   void* P;
   const void* P_in;  // fp32 A B computed elsewhere (skips the projection), or null
+  const void* Bt;    // B^T (r x L, row-major) for the streaming kernel, or null
   int M, L, N, r;
   int num_sms;
   double scale;
@@ -33,6 +34,12 @@ struct LowRankArgs {
   bool accumulate;
 };
 cudaError_t launch_lowrank_update(DType dtype, const LowRankArgs& args, cudaStream_t stream);
+
+// The streaming update kernel (fp16/bf16, prefill sizes): takes B^T in args.Bt, L % 8 == 0, A and B^T
+// 16-byte aligned, r <= kStreamMaxRank, no P_in. Same outputs as launch_lowrank_update.
+constexpr int kStreamMaxRank = 64;
+bool lowrank_stream_fits(const LowRankArgs& args);
+cudaError_t launch_lowrank_stream(DType dtype, const LowRankArgs& args, cudaStream_t stream);
 
 // Y = X W^T + b + s * ((X V) ⊙ codes) U^T for M <= kDecodeMaxTokens, one launch that reads W once.
 // W is N x K row-major, or (w_transposed) the N x K view of a row-major K x N buffer. Split-K
@@ -58,5 +65,14 @@ struct DecodeArgs {
 int decode_split_k(int M, int N, int K, int r, bool w_transposed, int num_sms, int requested);
 int decode_k_per_split(int K, int split_k);
 cudaError_t launch_decode_linear(DType dtype, const DecodeArgs& args, cudaStream_t stream);
+
+// The streaming decode kernel (sm_90, M <= kDecodeStreamMaxTokens, W row-major, K % 8 == 0, X and W
+// 16-byte aligned): split_k is the thread-block cluster size (1, 2, 4 or 8), k_per_split a multiple of
+// 32; no workspace. decode_stream_fits says whether it takes the call (cc_major: the device's).
+constexpr int kDecodeStreamMaxTokens = 16;
+constexpr int kDecodeStreamMaxCluster = 8;
+bool decode_stream_fits(const DecodeArgs& args, int cc_major);
+int decode_stream_split(int N, int K, int device);
+cudaError_t launch_decode_stream(DType dtype, const DecodeArgs& args, cudaStream_t stream);
 
 }  // namespace bem

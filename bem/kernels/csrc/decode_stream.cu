@@ -1,0 +1,316 @@
+// The BEM linear at decode sizes (M <= 16 tokens, Hopper) in one launch that streams W once:
+//
+//     Y = X W^T + b + s * ((X V) ⊙ codes) U^T
+//
+// Decode is a read of W and nothing else, so the kernel is built around that read: every thread keeps
+// its own ring of 16-byte cp.async copies of W in flight (kStages chunks deep) and reads back only
+// what it copied, so no barrier ever stalls the stream; each copy is already in the layout of a
+// tensor-core operand (see the k-map note in common.cuh), and rows are read in long contiguous runs. A block owns 128 rows of W over one slice of K; the CS blocks that share those rows
+// form a thread-block cluster. Each block also computes X V over its slice of V and, since the update
+// is linear in X V, adds its own share s ((X V)_slice ⊙ c) U^T to its rows with one more mma (V, U and
+// the codes are prefetched into L1 at the start, so this costs no extra trip to memory). After one
+// cluster barrier, block q of the cluster sums the CS partial results for its 128/CS rows through
+// distributed shared memory in a fixed order (deterministic, no workspace, no counters), adds b and
+// writes Y.
+#include <cooperative_groups.h>
+
+#include <atomic>
+#include <map>
+#include <mutex>
+#include <utility>
+
+#include "common.cuh"
+#include "launchers.h"
+
+namespace bem {
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int kRows = 128;    // rows of W per block: 16 per warp
+constexpr int kThreads = 256; // 8 warps
+constexpr int kChunk = 32;    // k per 16-byte load across the 4 threads of a row
+constexpr int kStages = 8;    // chunks of W in flight per thread (2 x 16 bytes each)
+constexpr int kYLd = kRows + 4;
+// Dynamic shared memory: the ring while W streams, then the epilogue's buffers in the same bytes.
+constexpr int kRingBytes = kStages * 2 * kThreads * 16;
+constexpr int kYsOffset = 0;                                                            // float [16][kYLd]
+constexpr int kZpartOffset = kYsOffset + kDecodeStreamMaxTokens * kYLd * 4;             // float [16 jobs][16][8]
+constexpr int kZbOffset = kZpartOffset + 16 * kDecodeStreamMaxTokens * 8 * 4;          // float [16][128]
+constexpr int kZcOffset = kZbOffset + kDecodeStreamMaxTokens * kMaxFusedRank * 4;       // T [16][128]
+constexpr int kSmemBytes = cmax(kRingBytes, kZcOffset + kDecodeStreamMaxTokens * kMaxFusedRank * 2);
+
+template <typename T, int NT>
+__global__ void __launch_bounds__(kThreads, 2) decode_stream_kernel(DecodeArgs p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(16) unsigned char smem[];
+  uint4* ring = reinterpret_cast<uint4*>(smem);                    // [stage][row g | g + 8][thread]
+  float* ys = reinterpret_cast<float*>(smem + kYsOffset);          // this block's partial X W^T (token-major)
+  float* zpart = reinterpret_cast<float*>(smem + kZpartOffset);    // per-warp partial X V fragments
+  float* zb = reinterpret_cast<float*>(smem + kZbOffset);          // this block's partial X V (M x r)
+  T* zc = reinterpret_cast<T*>(smem + kZcOffset);                  // s * zb ⊙ c as mma operands, 0-padded
+  cg::cluster_group cluster = cg::this_cluster();
+  const int cs = (int)cluster.num_blocks();
+  const int rank = (int)cluster.block_rank();
+
+  const T* X = static_cast<const T*>(p.X);
+  const T* W = static_cast<const T*>(p.W);
+  const T* V = static_cast<const T*>(p.V);
+  const T* U = static_cast<const T*>(p.U);
+  const T* codes = static_cast<const T*>(p.codes);
+  const T* bias = static_cast<const T*>(p.bias);
+  T* Y = static_cast<T*>(p.Y);
+  const int M = p.M, N = p.N, K = p.K, r = p.r;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int n0 = blockIdx.x * kRows;
+  const int k_begin = rank * p.k_per_split;
+  const int k_end = min(K, k_begin + p.k_per_split);
+  const int nchunks = k_end > k_begin ? (k_end - k_begin + kChunk - 1) / kChunk : 0;
+  const int rp = (r + 15) / 16 * 16;  // rank padded to the mma's k16
+
+  // The epilogue's operands, small and reused: into L1 now, while W streams.
+  if (nchunks > 0) prefetch_l1(V + (size_t)k_begin * r, (size_t)(k_end - k_begin) * r * sizeof(T), threadIdx.x, kThreads);
+  prefetch_l1(U + (size_t)n0 * r, (size_t)(min(N, n0 + kRows) - n0) * r * sizeof(T), threadIdx.x, kThreads);
+  if (codes) prefetch_l1(codes, (size_t)M * r * sizeof(T), threadIdx.x, kThreads);
+
+  // This thread's operand rows: tokens g and g + 8, rows g and g + 8 of the warp's 16 rows of W.
+  const bool x_ok0 = g < M, x_ok1 = g + 8 < M;
+  const T* x0 = X + (size_t)(x_ok0 ? g : 0) * K + 8 * c;
+  const T* x1 = X + (size_t)(x_ok1 ? g + 8 : 0) * K + 8 * c;
+  const int row0 = n0 + warp * 16 + g;
+  const bool w_ok0 = row0 < N, w_ok1 = row0 + 8 < N;
+  const T* w0 = W + (size_t)(w_ok0 ? row0 : 0) * K + 8 * c;
+  const T* w1 = W + (size_t)(w_ok1 ? row0 + 8 : 0) * K + 8 * c;
+
+  // ---- X W^T over this block's slice of K ----
+  const int tid = threadIdx.x;
+  auto issue = [&](int q) {  // chunk q's two W fragments of this thread into its ring slot
+    const int k = k_begin + q * kChunk, slot = q % kStages;
+    const bool in = q < nchunks && k + 8 * c < k_end;  // K % 8 == 0: a group of 8 is all in or all out
+    cp_async16(&ring[(slot * 2) * kThreads + tid], in && w_ok0 ? w0 + k : W, in && w_ok0);
+    cp_async16(&ring[(slot * 2 + 1) * kThreads + tid], in && w_ok1 ? w1 + k : W, in && w_ok1);
+  };
+  auto load_x = [&](int q, uint4& xa, uint4& xb) {
+    const int k = k_begin + q * kChunk;
+    const bool in = q < nchunks && k + 8 * c < k_end;
+    xa = in && x_ok0 ? ld_cached16(x0 + k) : zero4();
+    if constexpr (NT == 2) xb = in && x_ok1 ? ld_cached16(x1 + k) : zero4();
+  };
+  float acc[NT][4] = {};
+#pragma unroll
+  for (int q = 0; q < kStages - 1; ++q) {
+    issue(q);
+    cp_async_commit();
+  }
+  uint4 xa, xb = zero4(), xa_next, xb_next = zero4();
+  load_x(0, xa, xb);
+  for (int q = 0; q < nchunks; ++q) {
+    issue(q + kStages - 1);
+    cp_async_commit();
+    load_x(q + 1, xa_next, xb_next);  // the next chunk's x is in flight while this one computes
+    cp_async_wait<kStages - 1>();     // this thread's copies of chunk q have landed
+    const int slot = q % kStages;
+    const uint4 wa = ring[(slot * 2) * kThreads + tid], wb = ring[(slot * 2 + 1) * kThreads + tid];
+    mma_16816<T>(acc[0], wa.x, wb.x, wa.y, wb.y, xa.x, xa.y);
+    mma_16816<T>(acc[0], wa.z, wb.z, wa.w, wb.w, xa.z, xa.w);
+    if constexpr (NT == 2) {
+      mma_16816<T>(acc[NT - 1], wa.x, wb.x, wa.y, wb.y, xb.x, xb.y);
+      mma_16816<T>(acc[NT - 1], wa.z, wb.z, wa.w, wb.w, xb.z, xb.w);
+    }
+    xa = xa_next;
+    xb = xb_next;
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the ring's bytes become the epilogue's buffers
+
+  // ---- X V over the same slice: tokens as the m16 rows, 8 ranks per n8 tile ----
+  // Warps split the rank tiles, and the slice's chunks too while there are fewer tiles than warps.
+  const int jtiles = (r + 7) / 8;
+  const int kparts = jtiles >= 8 ? 1 : 8 / jtiles;
+  for (int job = warp; job < jtiles * kparts; job += 8) {
+    const int jt = job / kparts, kp = job % kparts;
+    const int j = jt * 8 + g;
+    float z[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+    for (int q = kp; q < nchunks; q += kparts) {
+      const int k = k_begin + q * kChunk;
+      const bool in = k + 8 * c < k_end;
+      const uint4 a0 = in && x_ok0 ? ld_cached16(x0 + k) : zero4();
+      const uint4 a1 = in && x_ok1 ? ld_cached16(x1 + k) : zero4();
+      T v[8];
+      const T* vp = V + (size_t)(k + 8 * c) * r + j;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = in && j < r ? vp[(size_t)e * r] : from_acc<T>(0.f);
+      mma_16816<T>(z, a0.x, a1.x, a0.y, a1.y, pack2(v[0], v[1]), pack2(v[2], v[3]));
+      mma_16816<T>(z, a0.z, a1.z, a0.w, a1.w, pack2(v[4], v[5]), pack2(v[6], v[7]));
+    }
+    // z: tokens (g, g+8) x ranks (2c, 2c+1) of this tile.
+    float* zp = zpart + job * (kDecodeStreamMaxTokens * 8);
+    zp[g * 8 + 2 * c] = z[0];
+    zp[g * 8 + 2 * c + 1] = z[1];
+    zp[(g + 8) * 8 + 2 * c] = z[2];
+    zp[(g + 8) * 8 + 2 * c + 1] = z[3];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kDecodeStreamMaxTokens * rp; i += kThreads) {
+    const int m = i / rp, j = i % rp, jt = j / 8;
+    float sum = 0.f;
+    if (m < M && j < r) {
+      for (int kp = 0; kp < kparts; ++kp) sum += zpart[(jt * kparts + kp) * (kDecodeStreamMaxTokens * 8) + m * 8 + j % 8];
+      zb[m * r + j] = sum;
+      sum *= p.scale * (codes ? to_acc(codes[m * r + j]) : 1.f);
+    }
+    zc[m * rp + j] = from_acc<T>(sum);
+  }
+  __syncthreads();
+
+  // ---- This block's share of the update: acc += U[rows] (s zb ⊙ c)^T, k = rank ----
+  const T* u0 = U + (size_t)(w_ok0 ? row0 : 0) * r;
+  const T* u1 = U + (size_t)(w_ok1 ? row0 + 8 : 0) * r;
+  const T tzero = from_acc<T>(0.f);
+  for (int j0 = 0; j0 < rp; j0 += 16) {
+    T ua[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {  // rows (g, g+8) x ranks j0 + 2c + {0, 1} and + 8
+      const int j = j0 + 2 * c + (e & 1) + 8 * ((e >> 2) & 1);
+      const bool second_row = (e >> 1) & 1;
+      ua[e] = j < r && (second_row ? w_ok1 : w_ok0) ? (second_row ? u1 : u0)[j] : tzero;
+    }
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const T* zt = zc + (8 * t + g) * rp + j0 + 2 * c;
+      mma_16816<T>(acc[t], pack2(ua[0], ua[1]), pack2(ua[2], ua[3]), pack2(ua[4], ua[5]), pack2(ua[6], ua[7]),
+                   pack2(zt[0], zt[1]), pack2(zt[8], zt[9]));
+    }
+  }
+  // acc[t] holds rows (g, g+8) x tokens (8t + 2c, 8t + 2c + 1) of Y^T.
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int m = 8 * t + 2 * c, n = warp * 16 + g;
+    ys[m * kYLd + n] = acc[t][0];
+    ys[(m + 1) * kYLd + n] = acc[t][1];
+    ys[m * kYLd + n + 8] = acc[t][2];
+    ys[(m + 1) * kYLd + n + 8] = acc[t][3];
+  }
+  cluster.sync();  // every block's ys and zb are complete and visible to the cluster
+
+  // ---- Sum the cluster's partial rows [rank * rows, (rank + 1) * rows) in a fixed order ----
+  const int rows = kRows / cs, row_begin = rank * rows;
+  for (int i = threadIdx.x; i < rows * M; i += kThreads) {
+    const int nl = row_begin + i % rows, m = i / rows, n = n0 + nl;
+    if (n >= N) continue;
+    float y = 0.f;
+    for (int s = 0; s < cs; ++s) y += cluster.map_shared_rank(ys, s)[m * kYLd + nl];
+    if (bias) y += to_acc(bias[n]);
+    Y[(size_t)m * N + n] = from_acc<T>(y);
+  }
+  if (p.P && blockIdx.x == 0 && rank == 0) {  // X V for the backward (skipped at inference)
+    for (int i = threadIdx.x; i < M * r; i += kThreads) {
+      float z = 0.f;
+      for (int s = 0; s < cs; ++s) z += cluster.map_shared_rank(zb, s)[i];
+      p.P[i] = z;
+    }
+  }
+  cluster.sync();  // no block leaves while another still reads its shared memory
+#endif
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+template <typename T, int NT>
+cudaLaunchConfig_t launch_config(const DecodeArgs& a, cudaLaunchAttribute* attribute, cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3((a.N + kRows - 1) / kRows, a.split_k, 1);
+  config.blockDim = dim3(kThreads, 1, 1);
+  config.dynamicSmemBytes = kSmemBytes;
+  config.stream = stream;
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = 1;
+  attribute[0].val.clusterDim.y = a.split_k;
+  attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return config;
+}
+
+// The dynamic shared memory limit, raised once per device (a host call per launch costs at decode sizes).
+template <typename T, int NT>
+cudaError_t set_smem_limit() {
+  static std::atomic<unsigned long long> raised{0};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess || device >= 64) return err != cudaSuccess ? err : cudaFuncSetAttribute(
+      decode_stream_kernel<T, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  const unsigned long long bit = 1ull << device;
+  if (raised.load() & bit) return cudaSuccess;
+  err = cudaFuncSetAttribute(decode_stream_kernel<T, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err == cudaSuccess) raised.fetch_or(bit);
+  return err;
+}
+
+template <typename T, int NT>
+cudaError_t launch_typed(const DecodeArgs& a, cudaStream_t stream) {
+  cudaError_t err = set_smem_limit<T, NT>();
+  if (err != cudaSuccess) return err;
+  cudaLaunchAttribute attribute[1];
+  const cudaLaunchConfig_t config = launch_config<T, NT>(a, attribute, stream);
+  return cudaLaunchKernelEx(&config, decode_stream_kernel<T, NT>, a);
+}
+
+template <typename T>
+cudaError_t launch_tokens(const DecodeArgs& a, cudaStream_t stream) {
+  return a.M <= 8 ? launch_typed<T, 1>(a, stream) : launch_typed<T, 2>(a, stream);
+}
+
+// How many clusters of `cs` blocks the device runs at once: clusters live inside one GPC, so this is
+// less than (blocks per multiprocessor x multiprocessors) / cs, and a grid with more clusters than
+// this runs a second wave. Read once per device and cluster size.
+int resident_clusters(int cs, int device) {
+  static std::mutex lock;
+  static std::map<std::pair<int, int>, int> cache;
+  std::lock_guard<std::mutex> guard(lock);
+  auto found = cache.find({device, cs});
+  if (found != cache.end()) return found->second;
+  int clusters = 0;
+  if (set_smem_limit<__nv_bfloat16, 2>() == cudaSuccess) {
+    DecodeArgs probe{};
+    probe.N = kRows;
+    probe.split_k = cs;
+    cudaLaunchAttribute attribute[1];
+    const cudaLaunchConfig_t config = launch_config<__nv_bfloat16, 2>(probe, attribute, nullptr);
+    if (cudaOccupancyMaxActiveClusters(&clusters, decode_stream_kernel<__nv_bfloat16, 2>, &config) != cudaSuccess) {
+      cudaGetLastError();  // not sticky: clear it, and plan as if nothing were resident
+      clusters = 0;
+    }
+  }
+  cache[{device, cs}] = clusters;
+  return clusters;
+}
+
+}  // namespace
+
+bool decode_stream_fits(const DecodeArgs& a, int cc_major) {
+  return cc_major >= 9 && a.M >= 1 && a.M <= kDecodeStreamMaxTokens && !a.w_transposed && a.K % 8 == 0 &&
+         a.r >= 1 && a.r <= kMaxFusedRank && aligned16(a.X) && aligned16(a.W);
+}
+
+int decode_stream_split(int N, int K, int device) {
+  // The largest cluster (K split) whose grid runs in one wave, with at least 256 columns of K a block.
+  const int tiles = (N + kRows - 1) / kRows;
+  for (int cs = kDecodeStreamMaxCluster; cs > 1; cs /= 2)
+    if (K / cs >= 256 && tiles <= resident_clusters(cs, device)) return cs;
+  return 1;
+}
+
+cudaError_t launch_decode_stream(DType dtype, const DecodeArgs& args, cudaStream_t stream) {
+  if (args.split_k < 1 || args.split_k > kDecodeStreamMaxCluster || kRows % args.split_k != 0 ||
+      args.k_per_split % kChunk != 0 || (size_t)args.split_k * args.k_per_split < (size_t)args.K)
+    return cudaErrorInvalidValue;
+  switch (dtype) {
+    case DType::kHalf: return launch_tokens<__half>(args, stream);
+    case DType::kBFloat16: return launch_tokens<__nv_bfloat16>(args, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace bem

@@ -1,0 +1,45 @@
+"""One launch of each kernel worth profiling, for Nsight Compute:
+
+    ncu --clock-control none -k regex:'stream_kernel|gemv|nvjet' --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+        python3 scripts/ncu_kernels.py
+
+Warm-up calls run first (ncu counts them too: filter by launch count with -s/-c as needed).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from bem.kernels import custom_ops
+
+DT = torch.bfloat16
+
+
+def operands(M: int, K: int, N: int, r: int):
+    x = torch.randn(M, K, device="cuda", dtype=DT)
+    W = torch.randn(N, K, device="cuda", dtype=DT) / K**0.5
+    V = torch.randn(K, r, device="cuda", dtype=DT) / K**0.5
+    U = torch.randn(N, r, device="cuda", dtype=DT)
+    c = torch.randn(M, r, device="cuda", dtype=DT)
+    b = torch.randn(N, device="cuda", dtype=DT)
+    return x, W, b, V, c, U
+
+
+def main() -> None:
+    C = custom_ops._C
+    for r in (8, 32):
+        x, W, b, V, c, U = operands(16384, 4096, 4096, r)
+        C.update_forward(x, V, c, U, 1.0, 1)
+        C.project(x, V)
+    for r in (8, 32):
+        x, W, b, V, c, U = operands(1, 4096, 4096, r)
+        C.linear_forward(x, W, b, V, c, U, 1.0, 1, 0, False)
+    x, W, b, V, c, U = operands(1, 4096, 4096, 8)
+    F.linear(x, W, b)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
