@@ -90,15 +90,18 @@ def test_cached_generation_with_every_fast_path_matches_the_full_forward(dtype):
 
 
 @pytest.mark.skipif(not KERNELS_AVAILABLE, reason="needs the CUDA extension")
-@pytest.mark.parametrize("M,K,N,split_k", [(1, 2048, 2048, 0), (1, 512, 768, 4), (5, 1000, 333, 3), (16, 256, 512, 1)])
-def test_inference_linear_without_p_gives_the_same_output(M, K, N, split_k):
+@pytest.mark.parametrize("M,K,N,mode,split_k", [
+    (1, 2048, 2048, 1, 0), (1, 512, 768, 1, 4), (5, 1000, 333, 1, 2), (16, 256, 512, 1, 1),  # streaming kernel
+    (1, 2048, 2048, 5, 0), (5, 1000, 333, 5, 3), (16, 256, 512, 5, 1),                      # tiles kernel
+])
+def test_inference_linear_without_p_gives_the_same_output(M, K, N, mode, split_k):
     from bem.kernels import custom_ops, ops, reference
 
     g = torch.Generator(device="cuda").manual_seed(M * 7 + K)
     make = lambda *shape: torch.randn(*shape, device="cuda", generator=g, dtype=torch.bfloat16)  # noqa: E731
     x, W, b, V, c, U = make(M, K), make(N, K) / K**0.5, make(N), make(K, 8) / K**0.5, make(M, 8), make(N, 8)
-    with_p, P = custom_ops._C.linear_forward(x, W, b, V, c, U, 0.5, 1, split_k, need_p=True)
-    without_p, none = custom_ops._C.linear_forward(x, W, b, V, c, U, 0.5, 1, split_k, need_p=False)
+    with_p, P = custom_ops._C.linear_forward(x, W, b, V, c, U, 0.5, mode, split_k, need_p=True)
+    without_p, none = custom_ops._C.linear_forward(x, W, b, V, c, U, 0.5, mode, split_k, need_p=False)
     assert none is None and P is not None
     assert torch.equal(with_p, without_p)
     with torch.no_grad():

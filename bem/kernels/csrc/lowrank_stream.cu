@@ -1,10 +1,10 @@
 // The generated update s * ((A B) ⊙ codes) U^T at prefill sizes, streaming A once and Y once.
 //
-// A block owns 16 rows (tokens). Phase 1: its 8 warps split K into contiguous runs; every thread
-// keeps its own ring of 16-byte cp.async copies of A in flight (kStages chunks deep) and reads back
-// only what it copied, already in the layout of a tensor-core operand (the k-map of common.cuh), so A
-// streams in long contiguous runs with no barrier; B^T (r x L, the transposed copy of B) comes one
-// chunk ahead through L1. The 8 partial products meet once in shared memory, in a fixed order. Phase 2 computes
+// A block owns 16 rows (tokens). Phase 1: its 8 warps split K into contiguous runs and load A and
+// B^T (r x L, the transposed copy of B) with 16-byte loads straight into tensor-core registers (the
+// k-map of common.cuh), kBatch chunks at a time, so A streams in long contiguous runs with no
+// shared-memory staging and no barrier (a per-thread cp.async ring measured slower here). The 8
+// partial products meet once in shared memory, in a fixed order. Phase 2 computes
 // Y^T tiles as U · (s P ⊙ c)^T: U's rows are the A operand, again one 16-byte load per 8 ranks, and
 // P's accumulator fragments are already the B operand's layout, so nothing moves between the phases
 // but one reduction. Column tiles of 32 are interleaved across the warps (a block writes whole row
@@ -21,8 +21,7 @@ namespace bem {
 namespace {
 
 constexpr int kWarps = 8, kThreads = 256, kTokens = 16, kChunk = 32, kColTile = 32;
-constexpr int kStages = 6;  // chunks of A in flight per thread (2 x 16 bytes each)
-constexpr int kRingBytes = kStages * 2 * kThreads * 16;  // dynamic shared memory
+constexpr int kBatch = 4;  // chunks of A loaded before they are used
 
 struct StreamFlags {
   bool expand, accumulate, y_vec;
@@ -47,8 +46,6 @@ __global__ void __launch_bounds__(kThreads) lowrank_stream_kernel(LowRankArgs a,
   constexpr int JT = RQ * 4;  // logical rank tiles of 8 (phase 1's n8 tiles)
   constexpr int KS = RQ * 2;  // k16 steps over the ranks (phase 2)
   __shared__ float smem[Smem::floats];
-  extern __shared__ uint4 ring[];  // [stage][row g | g + 8][thread]
-  const int tid = threadIdx.x;
   const T* A = static_cast<const T*>(a.A);
   const T* Bt = static_cast<const T*>(a.Bt);
   const T* codes = static_cast<const T*>(a.codes);
@@ -75,41 +72,28 @@ __global__ void __launch_bounds__(kThreads) lowrank_stream_kernel(LowRankArgs a,
     jok[jt] = j < r;
     bt[jt] = Bt + (size_t)(jok[jt] ? j : 0) * L + 8 * c;
   }
-  auto issue = [&](int q) {  // chunk q's two A fragments of this thread into its ring slot
-    const int k = q * kChunk, slot = (q - q_begin) % kStages;
-    const bool in = q < q_end && k + 8 * c < L;  // L % 8 == 0: a group of 8 is all in or out
-    cp_async16(&ring[(slot * 2) * kThreads + tid], in && ok0 ? a0 + k : A, in && ok0);
-    cp_async16(&ring[(slot * 2 + 1) * kThreads + tid], in && ok1 ? a1 + k : A, in && ok1);
-  };
-  auto load_b = [&](int q, uint4 (&vb)[JT]) {
-    const int k = q * kChunk;
-    const bool in = q < q_end && k + 8 * c < L;
-#pragma unroll
-    for (int jt = 0; jt < JT; ++jt) vb[jt] = in && jok[jt] ? ld_cached16(bt[jt] + k) : zero4();
-  };
   float z[JT][4] = {};
+  for (int q = q_begin; q < q_end; q += kBatch) {
+    uint4 xa[kBatch], xb[kBatch];
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) {
-    issue(q_begin + i);
-    cp_async_commit();
-  }
-  uint4 vb[JT], vb_next[JT];
-  load_b(q_begin, vb);
-  for (int q = q_begin; q < q_end; ++q) {
-    issue(q + kStages - 1);
-    cp_async_commit();
-    load_b(q + 1, vb_next);       // the next chunk's B^T is in flight while this one computes
-    cp_async_wait<kStages - 1>();  // this thread's copies of chunk q have landed
-    const int slot = (q - q_begin) % kStages;
-    const uint4 xa = ring[(slot * 2) * kThreads + tid], xb = ring[(slot * 2 + 1) * kThreads + tid];
+    for (int i = 0; i < kBatch; ++i) {
+      const int k = (q + i) * kChunk;
+      const bool in = q + i < q_end && k + 8 * c < L;  // L % 8 == 0: a group of 8 is all in or out
+      xa[i] = in && ok0 ? ld_stream16(a0 + k) : zero4();
+      xb[i] = in && ok1 ? ld_stream16(a1 + k) : zero4();
+    }
 #pragma unroll
-    for (int jt = 0; jt < JT; ++jt) {
-      mma_16816<T>(z[jt], xa.x, xb.x, xa.y, xb.y, vb[jt].x, vb[jt].y);
-      mma_16816<T>(z[jt], xa.z, xb.z, xa.w, xb.w, vb[jt].z, vb[jt].w);
-      vb[jt] = vb_next[jt];
+    for (int i = 0; i < kBatch; ++i) {
+      const int k = (q + i) * kChunk;
+      const bool in = q + i < q_end && k + 8 * c < L;
+#pragma unroll
+      for (int jt = 0; jt < JT; ++jt) {
+        const uint4 vb = in && jok[jt] ? ld_cached16(bt[jt] + k) : zero4();
+        mma_16816<T>(z[jt], xa[i].x, xb[i].x, xa[i].y, xb[i].y, vb.x, vb.y);
+        mma_16816<T>(z[jt], xa[i].z, xb[i].z, xa[i].w, xb[i].w, vb.z, vb.w);
+      }
     }
   }
-  cp_async_wait<0>();
   // z[jt]: tokens (g, g + 8) x logical ranks (8 jt + 2c, + 1), this warp's share of K.
   float* zs = smem + warp * kTokens * Smem::z_ld;
 #pragma unroll
@@ -243,11 +227,8 @@ cudaError_t launch_typed(const LowRankArgs& a, cudaStream_t stream) {
   f.expand = a.expand;
   f.accumulate = a.accumulate;
   f.y_vec = a.expand && a.N % 8 == 0 && aligned16(a.Y) && (a.bias == nullptr || aligned16(a.bias));
-  auto kernel = lowrank_stream_kernel<T, RQ>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kRingBytes);
-  if (err != cudaSuccess) return err;
   const dim3 grid((a.M + kTokens - 1) / kTokens);
-  kernel<<<grid, kThreads, kRingBytes, stream>>>(a, f);
+  lowrank_stream_kernel<T, RQ><<<grid, kThreads, 0, stream>>>(a, f);
   return cudaGetLastError();
 }
 
