@@ -85,8 +85,9 @@ def test_decode_tiles_split_k_is_exact_and_repeatable(split_k):
                                    (16, 4096, 14336), (13, 14336, 520)])
 @pytest.mark.parametrize("r", [1, 8, 13, 64, 128])
 def test_decode_stream_kernel_matches_float64(dtype, split_k, M, K, N, r):
-    """The streaming decode kernel (cluster split-K, K % 8 == 0) at every cluster size, odd N and odd
-    ranks, with and without bias; two calls give identical bits (the cluster sum has a fixed order)."""
+    """Mode 1, the decode dispatch: the streaming kernel (cluster split-K, K % 8 == 0, r <= 32) at every
+    cluster size, the tiles kernel for larger ranks; odd N and odd ranks, with and without bias; two
+    calls give identical bits (both sum their partial results in a fixed order)."""
     seed = stable_seed(M, K, N, r, split_k, str(dtype))
     x, W, b, V, c, U = operands(M, K, N, r, dtype, codes=r != 13, seed=seed)
     bias = None if r == 64 else b
@@ -122,11 +123,11 @@ def test_update_kernels_match_float64(kernel, dtype, M, K, N, r):
 
 
 @pytest.mark.parametrize("mode", [2, 3])
-@pytest.mark.parametrize("M,N", [(1100, 1000), (2048, 77)])
-def test_streaming_update_inside_the_linear(mode, M, N):
-    """Prefill compositions at sizes where the streaming kernel runs by default (rank above 32): bias
-    in the update (mode 3) and accumulation into the GEMM output (mode 2), N not a multiple of 8."""
-    x, W, b, V, c, U = operands(M, 512, N, 40, torch.bfloat16, codes=True, seed=M + N + mode)
+@pytest.mark.parametrize("M,N,r", [(1100, 1000, 16), (2048, 517, 24)])
+def test_streaming_update_inside_the_linear(mode, M, N, r):
+    """Prefill compositions where the streaming kernel runs by default (ranks 16-32, N >= K): bias in
+    the update (mode 3) and accumulation into the GEMM output (mode 2), N not a multiple of 8 too."""
+    x, W, b, V, c, U = operands(M, 512, N, r, torch.bfloat16, codes=True, seed=M + N + mode)
     ref = linear_ref64(x, W, b, V, c, U, 1.5)
     torch_err = rel_err(reference.bem_linear(x, W, b, V, c, U, 1.5), ref)
     poison_allocator(x.device, M * N)

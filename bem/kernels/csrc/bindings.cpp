@@ -119,10 +119,10 @@ enum UpdateKernel : int64_t {
   kUpdateStream = 1,  // lowrank_stream.cu: 16 rows per block, A and B^T straight into registers
   kUpdateTiles = 2,   // lowrank_update.cu: 32 rows per block through shared memory (any K, any rank)
 };
-// By default the streaming kernel takes ranks above 32 from this many rows: measured on an H200
-// (docs/kernels.md), it beat the tiles kernel there and lost to it at ranks 8 to 32.
+// Where the streaming kernel is the default: measured on an H200 (docs/kernels.md) it beat the tiles
+// kernel for ranks 16 to 32 with N >= K, and lost to it at rank 8, rank 64 and where K > N.
 constexpr int64_t kStreamMinRows = 1024;
-constexpr int64_t kStreamMinAutoRank = 33;
+constexpr int64_t kStreamAutoRanks[2] = {16, 32};
 
 // Too few 32-row groups to fill the GPU: the projection A B then goes to cuBLAS (rounded to A's dtype,
 // as plain PyTorch rounds it) and the tiles kernel only expands it.
@@ -137,7 +137,9 @@ bool stream_takes(const Tensor& A, const Tensor& B, const Tensor* U, int64_t ker
   if (kernel == kUpdateTiles || !tensor_core_dtype(A) || A.size(1) % 8 != 0 || B.size(1) % 8 != 0 ||
       B.size(1) > kStreamMaxRank || !aligned16(A) || (U != nullptr && !aligned16(*U)))
     return false;
-  return kernel == kUpdateStream || (A.size(0) >= kStreamMinRows && B.size(1) >= kStreamMinAutoRank);
+  const int64_t r = B.size(1);
+  return kernel == kUpdateStream || (A.size(0) >= kStreamMinRows && r >= kStreamAutoRanks[0] &&
+                                     r <= kStreamAutoRanks[1] && U != nullptr && U->size(0) >= A.size(1));
 }
 
 // Y (=|+=) s ((A B) ⊙ codes) U^T (+ bias); returns P = A B.
@@ -252,7 +254,8 @@ std::tuple<Tensor, Tensor> linear_forward(const Tensor& x, const Tensor& weight,
     Tensor P = need_p ? at::empty({M, r}, x.options().dtype(at::kFloat)) : Tensor();
     args.Y = Y.data_ptr();
     args.P = need_p ? P.data_ptr<float>() : nullptr;
-    if (mode == kDecode && decode_stream_fits(args, cc_major(x.get_device()))) {
+    // The streaming kernel measured faster than the tiles kernel for r <= 32 and slower at r = 64.
+    if (mode == kDecode && r <= kDecodeStreamMaxRank && decode_stream_fits(args, cc_major(x.get_device()))) {
       args.split_k = split_k > 0 ? (int)split_k : decode_stream_split((int)N, (int)K, x.get_device());
       BEM_CHECK(args.split_k <= kDecodeStreamMaxCluster && (args.split_k & (args.split_k - 1)) == 0,
                   "the streaming decode kernel splits K over 1, 2, 4 or 8 blocks, got split_k = ", split_k);

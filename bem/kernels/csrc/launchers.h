@@ -70,6 +70,7 @@ cudaError_t launch_decode_linear(DType dtype, const DecodeArgs& args, cudaStream
 // 16-byte aligned): split_k is the thread-block cluster size (1, 2, 4 or 8), k_per_split a multiple of
 // 32; no workspace. decode_stream_fits says whether it takes the call (cc_major: the device's).
 constexpr int kDecodeStreamMaxTokens = 16;
+constexpr int kDecodeStreamMaxRank = 32;  // the dispatch's limit (the kernel itself takes r <= 128)
 constexpr int kDecodeStreamMaxCluster = 8;
 bool decode_stream_fits(const DecodeArgs& args, int cc_major);
 int decode_stream_split(int N, int K, int device);
