@@ -80,6 +80,23 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
 // Reused read-only load (activations, adapter weights): through L1.
 __device__ __forceinline__ uint4 ld_cached16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
+// v[0..8) (+ bias[0..8)) (+ the 8 values already at dst) written to dst as one 16-byte store.
+template <typename T>
+__device__ __forceinline__ void store8(T* dst, float (&v)[8], const T* bias, bool accumulate) {
+  float extra[8];
+  if (bias) {
+    unpack8<T>(ld_cached16(bias), extra);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] += extra[e];
+  }
+  if (accumulate) {
+    unpack8<T>(*reinterpret_cast<const uint4*>(dst), extra);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] += extra[e];
+  }
+  *reinterpret_cast<uint4*>(dst) = pack8<T>(v);
+}
+
 // D += A B for one m16n8k16 tile, fp32 accumulation. a: 4 words (rows g, g+8 x k pairs lo, hi as
 // {row g lo, row g+8 lo, row g hi, row g+8 hi}); b: 2 words (column g, k pairs lo, hi).
 template <typename T>

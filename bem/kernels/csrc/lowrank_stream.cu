@@ -182,21 +182,10 @@ __global__ void __launch_bounds__(kThreads) lowrank_stream_kernel(LowRankArgs a,
       for (int h = 0; h < 2; ++h) {
         const int row = lane / 4 + 8 * h, col = (lane % 4) * 8, gm = m0 + row, gn = n0 + col;
         if (gm >= M || gn >= N) continue;
-        float v[8], extra[8];
+        float v[8];
 #pragma unroll
         for (int e = 0; e < 8; ++e) v[e] = ys[row * Smem::y_ld + col + e];
-        if (bias) {
-          unpack8<T>(ld_cached16(bias + gn), extra);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) v[e] += extra[e];
-        }
-        T* dst = Y + (size_t)gm * N + gn;
-        if (f.accumulate) {
-          unpack8<T>(*reinterpret_cast<const uint4*>(dst), extra);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) v[e] += extra[e];
-        }
-        *reinterpret_cast<uint4*>(dst) = pack8<T>(v);
+        store8<T>(Y + (size_t)gm * N + gn, v, bias ? bias + gn : nullptr, f.accumulate);
       }
     } else {
       for (int i = lane; i < kTokens * kColTile; i += 32) {

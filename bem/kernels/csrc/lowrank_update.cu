@@ -233,21 +233,10 @@ __global__ void __launch_bounds__(kThreads) lowrank_update_kernel(
         const int row = lane / 4 + 8 * q, col = (lane % 4) * 8;
         const int gm = m0 + row, gn = n0 + col;
         if (gm >= M || gn >= N) continue;
-        float v[8], extra[8];
+        float v[8];
 #pragma unroll
         for (int e = 0; e < 8; ++e) v[e] = yw[row * Lay::y_ld + col + e];
-        if (bias) {
-          unpack8<T>(*reinterpret_cast<const uint4*>(bias + gn), extra);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) v[e] += extra[e];
-        }
-        T* dst = Y + (size_t)gm * N + gn;
-        if (f.accumulate) {
-          unpack8<T>(*reinterpret_cast<const uint4*>(dst), extra);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) v[e] += extra[e];
-        }
-        *reinterpret_cast<uint4*>(dst) = pack8<T>(v);
+        store8<T>(Y + (size_t)gm * N + gn, v, bias ? bias + gn : nullptr, f.accumulate);
       }
     } else {
       for (int i = lane; i < kBM * 32; i += 32) {
