@@ -4,7 +4,7 @@
         --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
         python3 scripts/ncu_kernels.py
 
-Warm-up calls run first (ncu counts them too: filter by launch count with -s/-c as needed).
+Each kernel runs once on fresh random inputs: its first launch is the one profiled.
 """
 
 from __future__ import annotations

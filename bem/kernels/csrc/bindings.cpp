@@ -130,38 +130,25 @@ bool small_m(const Tensor& A) {
   return tensor_core_dtype(A) && (A.size(0) + 31) / 32 < num_sms(A.get_device());
 }
 
-bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
-
-// The streaming kernel loads rows of A, B^T and U 16 bytes at a time: K and r multiples of 8.
-bool stream_takes(const Tensor& A, const Tensor& B, const Tensor* U, int64_t kernel) {
-  if (kernel == kUpdateTiles || !tensor_core_dtype(A) || A.size(1) % 8 != 0 || B.size(1) % 8 != 0 ||
-      B.size(1) > kStreamMaxRank || !aligned16(A) || (U != nullptr && !aligned16(*U)))
-    return false;
-  const int64_t r = B.size(1);
-  return kernel == kUpdateStream || (A.size(0) >= kStreamMinRows && r >= kStreamAutoRanks[0] &&
-                                     r <= kStreamAutoRanks[1] && U != nullptr && U->size(0) >= A.size(1));
+// Whether the streaming kernel runs: asked for, or the shape is where it measured faster; and it takes
+// the call (lowrank_stream_fits: the shapes and alignment its 16-byte loads need).
+bool stream_takes(const LowRankArgs& args, bool tensor_core, int64_t kernel) {
+  if (kernel == kUpdateTiles || !tensor_core || args.M == 0 || !lowrank_stream_fits(args)) return false;
+  return kernel == kUpdateStream || (args.M >= kStreamMinRows && args.r >= kStreamAutoRanks[0] &&
+                                     args.r <= kStreamAutoRanks[1] && args.expand && args.N >= args.L);
 }
 
 // Y (=|+=) s ((A B) ⊙ codes) U^T (+ bias); returns P = A B.
 Tensor run_update(const Tensor& A, const Tensor& B, const OptTensor& codes, const Tensor* U, const Tensor* bias,
                   Tensor* Y, double scale, bool accumulate, int64_t kernel = kUpdateAuto) {
   const int64_t M = A.size(0), r = B.size(1);
-  const bool stream = M > 0 && stream_takes(A, B, U, kernel);
-  // float32: cuBLAS's blocked sums are more accurate than the simple kernel's running sum.
-  const bool given = !stream && (small_m(A) || A.scalar_type() == at::kFloat);
-  Tensor P = given ? at::mm(A, B).to(at::kFloat) : at::empty({M, r}, A.options().dtype(p_dtype(A)));
-  if (M == 0 || (given && Y == nullptr)) return P;
-  const Tensor Bt = stream ? B.t().contiguous() : Tensor();  // r x L: a small copy, rows of B^T are contiguous
   LowRankArgs args{};
   args.A = A.data_ptr();
   args.B = B.data_ptr();
-  args.Bt = stream ? Bt.data_ptr() : nullptr;
   args.codes = codes.has_value() ? codes->data_ptr() : nullptr;
   args.U = U ? U->data_ptr() : nullptr;
   args.bias = bias ? bias->data_ptr() : nullptr;
   args.Y = Y ? Y->data_ptr() : nullptr;
-  args.P = given ? nullptr : P.data_ptr();
-  args.P_in = given ? P.data_ptr() : nullptr;
   args.M = (int)M;
   args.L = (int)A.size(1);
   args.N = U ? (int)U->size(0) : 0;
@@ -170,6 +157,15 @@ Tensor run_update(const Tensor& A, const Tensor& B, const OptTensor& codes, cons
   args.scale = scale;
   args.expand = Y != nullptr;
   args.accumulate = accumulate;
+  const bool stream = stream_takes(args, tensor_core_dtype(A), kernel);
+  // float32: cuBLAS's blocked sums are more accurate than the simple kernel's running sum.
+  const bool given = !stream && (small_m(A) || A.scalar_type() == at::kFloat);
+  Tensor P = given ? at::mm(A, B).to(at::kFloat) : at::empty({M, r}, A.options().dtype(p_dtype(A)));
+  if (M == 0 || (given && Y == nullptr)) return P;
+  const Tensor Bt = stream ? B.t().contiguous() : Tensor();  // r x L: a small copy, rows of B^T are contiguous
+  args.Bt = stream ? Bt.data_ptr() : nullptr;
+  args.P = given ? nullptr : P.data_ptr();
+  args.P_in = given ? P.data_ptr() : nullptr;
   if (stream) {
     C10_CUDA_CHECK(launch_lowrank_stream(dtype_of(A), args, stream_now()));
   } else {

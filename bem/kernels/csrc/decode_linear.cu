@@ -270,7 +270,6 @@ __global__ void __launch_bounds__(kThreads) decode_linear_kernel(DecodeArgs p, D
   if (tid == 0) g_tile_arrivals[tile] = 0;
 }
 
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 template <typename T, int MT, int RT, bool WT>
 cudaError_t launch_typed(const DecodeArgs& a, cudaStream_t stream) {

@@ -5,8 +5,9 @@
 // Decode is a read of W and nothing else, so the kernel is built around that read: every thread keeps
 // its own ring of 16-byte cp.async copies of W in flight (kStages chunks deep) and reads back only
 // what it copied, so no barrier ever stalls the stream; each copy is already in the layout of a
-// tensor-core operand (see the k-map note in common.cuh), and rows are read in long contiguous runs. A block owns 128 rows of W over one slice of K; the CS blocks that share those rows
-// form a thread-block cluster. Each block also computes X V over its slice of V and, since the update
+// tensor-core operand (see the k-map note in common.cuh), and rows are read in long contiguous runs.
+// A block owns 128 rows of W over one slice of K; the CS blocks that share those rows form a
+// thread-block cluster. Each block also computes X V over its slice of V and, since the update
 // is linear in X V, adds its own share s ((X V)_slice ⊙ c) U^T to its rows with one more mma (V, U and
 // the codes are prefetched into L1 at the start, so this costs no extra trip to memory). After one
 // cluster barrier, block q of the cluster sums the CS partial results for its 128/CS rows through
@@ -215,7 +216,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_stream_kernel(DecodeArgs p
 #endif
 }
 
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 template <typename T, int NT>
 cudaLaunchConfig_t launch_config(const DecodeArgs& a, cudaLaunchAttribute* attribute, cudaStream_t stream) {
@@ -236,12 +236,11 @@ cudaLaunchConfig_t launch_config(const DecodeArgs& a, cudaLaunchAttribute* attri
 // The dynamic shared memory limit, raised once per device (a host call per launch costs at decode sizes).
 template <typename T, int NT>
 cudaError_t set_smem_limit() {
-  static std::atomic<unsigned long long> raised{0};
+  static std::atomic<unsigned long long> raised{0};  // one bit per device (devices 64 and up: every call)
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess || device >= 64) return err != cudaSuccess ? err : cudaFuncSetAttribute(
-      decode_stream_kernel<T, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  const unsigned long long bit = 1ull << device;
+  if (err != cudaSuccess) return err;
+  const unsigned long long bit = device < 64 ? 1ull << device : 0;
   if (raised.load() & bit) return cudaSuccess;
   err = cudaFuncSetAttribute(decode_stream_kernel<T, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err == cudaSuccess) raised.fetch_or(bit);

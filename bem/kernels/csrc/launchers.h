@@ -3,7 +3,12 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 namespace bem {
+
+// 16-byte loads and stores need 16-byte aligned addresses.
+inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 enum class DType { kHalf, kBFloat16, kFloat, kDouble };
 
@@ -35,8 +40,9 @@ struct LowRankArgs {
 };
 cudaError_t launch_lowrank_update(DType dtype, const LowRankArgs& args, cudaStream_t stream);
 
-// The streaming update kernel (fp16/bf16, prefill sizes): takes B^T in args.Bt, L % 8 == 0, A and B^T
-// 16-byte aligned, r <= kStreamMaxRank, no P_in. Same outputs as launch_lowrank_update.
+// The streaming update kernel (fp16/bf16, prefill sizes): takes B^T in args.Bt (16-byte aligned), and
+// lowrank_stream_fits says whether the rest of the call suits it (L and r multiples of 8, r <=
+// kStreamMaxRank, A and U 16-byte aligned, no P_in). Same outputs as launch_lowrank_update.
 constexpr int kStreamMaxRank = 64;
 bool lowrank_stream_fits(const LowRankArgs& args);
 cudaError_t launch_lowrank_stream(DType dtype, const LowRankArgs& args, cudaStream_t stream);

@@ -208,7 +208,6 @@ __global__ void __launch_bounds__(kThreads) lowrank_stream_kernel(LowRankArgs a,
   }
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 template <typename T, int RQ>
 cudaError_t launch_typed(const LowRankArgs& a, cudaStream_t stream) {
@@ -232,12 +231,12 @@ cudaError_t launch_rank(const LowRankArgs& a, cudaStream_t stream) {
 
 bool lowrank_stream_fits(const LowRankArgs& a) {
   // 16-byte loads of A and B^T rows (L % 8) and of U rows (r % 8).
-  return a.Bt != nullptr && a.L % 8 == 0 && a.r % 8 == 0 && a.r >= 8 && a.r <= kStreamMaxRank && aligned16(a.A) &&
-         aligned16(a.Bt) && (!a.expand || aligned16(a.U)) && a.P_in == nullptr;
+  return a.L % 8 == 0 && a.r % 8 == 0 && a.r >= 8 && a.r <= kStreamMaxRank && aligned16(a.A) &&
+         (!a.expand || aligned16(a.U)) && a.P_in == nullptr;
 }
 
 cudaError_t launch_lowrank_stream(DType dtype, const LowRankArgs& args, cudaStream_t stream) {
-  if (!lowrank_stream_fits(args)) return cudaErrorInvalidValue;
+  if (!lowrank_stream_fits(args) || args.Bt == nullptr || !aligned16(args.Bt)) return cudaErrorInvalidValue;
   switch (dtype) {
     case DType::kHalf: return launch_rank<__half>(args, stream);
     case DType::kBFloat16: return launch_rank<__nv_bfloat16>(args, stream);

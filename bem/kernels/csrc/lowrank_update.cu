@@ -286,7 +286,6 @@ __global__ void expand_generic_kernel(const typename Acc<T>::type* __restrict__ 
   Y[idx] = static_cast<T>(acc);
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 template <typename T, int RT>
 cudaError_t launch_tensor_core(const LowRankArgs& a, cudaStream_t stream) {
