@@ -29,10 +29,9 @@ def operands(M: int, K: int, N: int, r: int):
 
 def main() -> None:
     C = custom_ops._C
-    for r in (8, 32):
+    for r, tokens in ((8, 16), (8, 64), (32, 32), (64, 16)):
         x, W, b, V, c, U = operands(16384, 4096, 4096, r)
-        C.update_forward(x, V, c, U, 1.0, 1)
-        C.project(x, V)
+        C.update_forward(x, V, c, U, 1.0, 1, tokens)
     for r in (8, 32):
         x, W, b, V, c, U = operands(1, 4096, 4096, r)
         C.linear_forward(x, W, b, V, c, U, 1.0, 1, 0, False)

@@ -162,6 +162,9 @@ def _update_variants(sets: list[dict], s: float) -> dict[str, Callable[[int], ob
             pick(i)["x"], pick(i)["V"].detach(), pick(i)["c"].detach(), pick(i)["U"].detach(), s),
         "update stream kernel": lambda i: custom_ops._C.update_forward(
             pick(i)["x"], pick(i)["V"].detach(), pick(i)["c"].detach(), pick(i)["U"].detach(), s, 1),
+        **{f"update stream t{tokens}": (lambda i, tokens=tokens: custom_ops._C.update_forward(
+            pick(i)["x"], pick(i)["V"].detach(), pick(i)["c"].detach(), pick(i)["U"].detach(), s, 1, tokens))
+           for tokens in (16, 32, 64) if tokens < 64 or sets[0]["V"].shape[1] <= 32},
         "update tiles kernel": lambda i: custom_ops._C.update_forward(
             pick(i)["x"], pick(i)["V"].detach(), pick(i)["c"].detach(), pick(i)["U"].detach(), s, 2),
         "x V only (fused)": lambda i: custom_ops._C.project(pick(i)["x"], pick(i)["V"].detach()),
@@ -252,14 +255,18 @@ def main(argv: list[str] | None = None) -> None:
             json.dump({"device": props.name, "ceilings": ceil, "results": results}, f, indent=1)
     print("\nSummary (ratios to F.linear; update alone as % of copy bandwidth: default, streaming and tiles kernels)")
     print(f"{'M':>6}{'K':>6}{'N':>6}{'r':>4}{'PEFT':>7}{'ref':>7}{'fused':>7}{'fb ref':>8}{'fb fused':>9}"
-          f"{'upd %cp':>9}{'stream':>8}{'tiles':>7}")
+          f"{'upd %cp':>9}{'torch':>7}{'stream':>8}{'t16':>6}{'t32':>6}{'t64':>6}{'tiles':>7}")
     for res in results:
         shp, fwd, fb = res["shape"], res["forward_ms"], res["forward_backward_ms"]
+        pct = res["update_pct_copy"]
         print(f"{shp['M']:>6}{shp['K']:>6}{shp['N']:>6}{shp['r']:>4}"
               f"{fwd['PEFT LoRA'] / fwd['F.linear']:>7.2f}{fwd['BEM reference'] / fwd['F.linear']:>7.2f}"
               f"{fwd['BEM fused'] / fwd['F.linear']:>7.2f}{fb['BEM reference'] / fb['F.linear']:>8.2f}"
-              f"{fb['BEM fused'] / fb['F.linear']:>9.2f}{res['update_pct_copy']['update fused']:>9.1f}"
-              f"{res['update_pct_copy']['update stream kernel']:>8.1f}{res['update_pct_copy']['update tiles kernel']:>7.1f}")
+              f"{fb['BEM fused'] / fb['F.linear']:>9.2f}{pct['update fused']:>9.1f}{pct['update reference']:>7.1f}"
+              f"{pct['update stream kernel']:>8.1f}"
+              + "".join(f"{pct[f'update stream t{t}']:>6.1f}" if f"update stream t{t}" in pct else f"{'-':>6}"
+                        for t in (16, 32, 64))
+              + f"{pct['update tiles kernel']:>7.1f}")
     print(header)
 
 

@@ -71,6 +71,11 @@ def test_kernel_choice_arguments_are_checked():
     x, V, U = _args()
     with pytest.raises(ValueError, match="unknown update kernel 7"):
         custom_ops._C.update_forward(x, V, None, U, 1.0, 7)
+    with pytest.raises(ValueError, match="stream_tokens must be 0 .chosen by shape., 16, 32 or 64, got 48"):
+        custom_ops._C.update_forward(x, V, None, U, 1.0, 1, 48)
+    wide = torch.randn(x.shape[1], 40, device="cuda", dtype=x.dtype)
+    with pytest.raises(ValueError, match="stream_tokens = 64 takes ranks up to 32, got rank 40"):
+        custom_ops._C.update_forward(x, wide, None, torch.randn(16, 40, device="cuda", dtype=x.dtype), 1.0, 1, 64)
     W = torch.randn(16, 32, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="unknown linear mode 9"):
         custom_ops._C.linear_forward(x, W, None, V, None, U, 1.0, 9)

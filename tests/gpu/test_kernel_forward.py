@@ -122,6 +122,26 @@ def test_update_kernels_match_float64(kernel, dtype, M, K, N, r):
     assert rel_err(P, x.double() @ V.double()) < 1e-2
 
 
+STREAM_SHAPES = [(1, 64, 40, 8), (75, 264, 77, 16), (1000, 520, 264, 24), (333, 1032, 1000, 32),
+                 (2053, 1024, 1000, 40), (130, 512, 96, 64)]
+
+
+@pytest.mark.parametrize("tokens,M,K,N,r", [(t, *shape) for t in (16, 32, 64) for shape in STREAM_SHAPES
+                                            if t < 64 or shape[3] <= 32])
+def test_streaming_update_every_block_height(tokens, M, K, N, r):
+    """The streaming kernel at 16, 32 and 64 tokens per block (64 takes ranks up to 32): partial blocks,
+    padded ranks, odd N, and repeated calls bit-identical."""
+    x, _, _, V, c, U = operands(M, K, N, r, torch.bfloat16, codes=True, seed=stable_seed(M, K, N, r, tokens))
+    ref = update_ref64(x, V, c, U, 0.8)
+    torch_err = rel_err(reference.generated_update(x, V, c, U, 0.8), ref)
+    poison_allocator(x.device, M * N)
+    y, P = custom_ops._C.update_forward(x, V, c, U, 0.8, 1, tokens)
+    assert rel_err(y, ref) <= bound(torch_err, torch.bfloat16)
+    assert rel_err(P, x.double() @ V.double()) < 1e-2
+    y2, P2 = custom_ops._C.update_forward(x, V, c, U, 0.8, 1, tokens)
+    assert torch.equal(y, y2) and torch.equal(P, P2)
+
+
 @pytest.mark.parametrize("mode", [2, 3])
 @pytest.mark.parametrize("M,N,r", [(1100, 1000, 16), (2048, 517, 24)])
 def test_streaming_update_inside_the_linear(mode, M, N, r):

@@ -116,13 +116,12 @@ int cc_major(int device) { return device_attribute(cudaDevAttrComputeCapabilityM
 // Which kernel computes the generated update (update_forward's `kernel` argument; 0 picks by shape).
 enum UpdateKernel : int64_t {
   kUpdateAuto = 0,
-  kUpdateStream = 1,  // lowrank_stream.cu: 16 rows per block, A and B^T straight into registers
+  kUpdateStream = 1,  // lowrank_stream.cu: 16-64 rows per block, A and B^T straight into registers
   kUpdateTiles = 2,   // lowrank_update.cu: 32 rows per block through shared memory (any K, any rank)
 };
 // Where the streaming kernel is the default: measured on an H200 (docs/kernels.md) it beat the tiles
-// kernel for ranks 16 to 32 with N >= K, and lost to it at rank 8, rank 64 and where K > N.
+// kernel at every rank from 8 to 64 once M >= 1024 (4096 x 4096: 53-65% of copy against 34-48%).
 constexpr int64_t kStreamMinRows = 1024;
-constexpr int64_t kStreamAutoRanks[2] = {16, 32};
 
 // Too few 32-row groups to fill the GPU: the projection A B then goes to cuBLAS (rounded to A's dtype,
 // as plain PyTorch rounds it) and the tiles kernel only expands it.
@@ -134,13 +133,12 @@ bool small_m(const Tensor& A) {
 // the call (lowrank_stream_fits: the shapes and alignment its 16-byte loads need).
 bool stream_takes(const LowRankArgs& args, bool tensor_core, int64_t kernel) {
   if (kernel == kUpdateTiles || !tensor_core || args.M == 0 || !lowrank_stream_fits(args)) return false;
-  return kernel == kUpdateStream || (args.M >= kStreamMinRows && args.r >= kStreamAutoRanks[0] &&
-                                     args.r <= kStreamAutoRanks[1] && args.expand && args.N >= args.L);
+  return kernel == kUpdateStream || (args.M >= kStreamMinRows && args.expand);
 }
 
 // Y (=|+=) s ((A B) ⊙ codes) U^T (+ bias); returns P = A B.
 Tensor run_update(const Tensor& A, const Tensor& B, const OptTensor& codes, const Tensor* U, const Tensor* bias,
-                  Tensor* Y, double scale, bool accumulate, int64_t kernel = kUpdateAuto) {
+                  Tensor* Y, double scale, bool accumulate, int64_t kernel = kUpdateAuto, int64_t stream_tokens = 0) {
   const int64_t M = A.size(0), r = B.size(1);
   LowRankArgs args{};
   args.A = A.data_ptr();
@@ -154,6 +152,7 @@ Tensor run_update(const Tensor& A, const Tensor& B, const OptTensor& codes, cons
   args.N = U ? (int)U->size(0) : 0;
   args.r = (int)r;
   args.num_sms = num_sms(A.get_device());
+  args.stream_tokens = (int)stream_tokens;
   args.scale = scale;
   args.expand = Y != nullptr;
   args.accumulate = accumulate;
@@ -175,12 +174,16 @@ Tensor run_update(const Tensor& A, const Tensor& B, const OptTensor& codes, cons
 }
 
 std::tuple<Tensor, Tensor> update_forward(const Tensor& x, const Tensor& V, const OptTensor& codes, const Tensor& U,
-                                          double scale, int64_t kernel) {
+                                          double scale, int64_t kernel, int64_t stream_tokens) {
   BEM_CHECK(kernel >= kUpdateAuto && kernel <= kUpdateTiles, "unknown update kernel ", kernel);
   check_update_operands(x, V, codes, U);
+  BEM_CHECK(stream_tokens == 0 || stream_tokens == 16 || stream_tokens == 32 || stream_tokens == 64,
+            "stream_tokens must be 0 (chosen by shape), 16, 32 or 64, got ", stream_tokens);
+  BEM_CHECK(stream_tokens != 64 || V.size(1) <= 32, "stream_tokens = 64 takes ranks up to 32, got rank ",
+            V.size(1));
   const c10::cuda::CUDAGuard guard(x.device());
   Tensor Y = at::empty({x.size(0), U.size(0)}, x.options());
-  Tensor P = run_update(x, V, codes, &U, nullptr, &Y, scale, /*accumulate=*/false, kernel);
+  Tensor P = run_update(x, V, codes, &U, nullptr, &Y, scale, /*accumulate=*/false, kernel, stream_tokens);
   return {Y, P};
 }
 
@@ -294,7 +297,8 @@ std::tuple<Tensor, Tensor> linear_forward(const Tensor& x, const Tensor& weight,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "BEM fused generated-update kernels";
   m.def("update_forward", &bem::update_forward, "(Y, P) = (s ((x V) ⊙ codes) U^T, x V)", py::arg("x"),
-        py::arg("V"), py::arg("codes"), py::arg("U"), py::arg("scaling"), py::arg("kernel") = 0);
+        py::arg("V"), py::arg("codes"), py::arg("U"), py::arg("scaling"), py::arg("kernel") = 0,
+        py::arg("stream_tokens") = 0);
   m.def("project", &bem::project, "A B in float32 (float64 for double inputs)", py::arg("A"), py::arg("B"));
   m.def("linear_forward", &bem::linear_forward, "(Y, P) = (x W^T + b + s ((x V) ⊙ codes) U^T, x V)",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("V"), py::arg("codes"), py::arg("U"),

@@ -34,6 +34,7 @@ struct LowRankArgs {
   const void* Bt;    // B^T (r x L, row-major) for the streaming kernel, or null
   int M, L, N, r;
   int num_sms;
+  int stream_tokens;  // the streaming kernel's tokens per block (16, 32 or 64), 0: chosen by shape
   double scale;
   bool expand;
   bool accumulate;
@@ -42,9 +43,11 @@ cudaError_t launch_lowrank_update(DType dtype, const LowRankArgs& args, cudaStre
 
 // The streaming update kernel (fp16/bf16, prefill sizes): takes B^T in args.Bt (16-byte aligned), and
 // lowrank_stream_fits says whether the rest of the call suits it (L and r multiples of 8, r <=
-// kStreamMaxRank, A and U 16-byte aligned, no P_in). Same outputs as launch_lowrank_update.
+// kStreamMaxRank, A and U 16-byte aligned, no P_in, stream_tokens 0, 16, 32 or 64 (64 up to rank 32)).
+// Same outputs as launch_lowrank_update. lowrank_stream_tokens: the tokens per block it will use.
 constexpr int kStreamMaxRank = 64;
 bool lowrank_stream_fits(const LowRankArgs& args);
+int lowrank_stream_tokens(const LowRankArgs& args);
 cudaError_t launch_lowrank_stream(DType dtype, const LowRankArgs& args, cudaStream_t stream);
 
 // Y = X W^T + b + s * ((X V) ⊙ codes) U^T for M <= kDecodeMaxTokens, one launch that reads W once.

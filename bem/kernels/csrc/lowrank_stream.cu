@@ -1,51 +1,49 @@
 // The generated update s * ((A B) ⊙ codes) U^T at prefill sizes, streaming A once and Y once.
 //
-// A block owns 16 rows (tokens). Phase 1: its 8 warps split K into contiguous runs and load A and
-// B^T (r x L, the transposed copy of B) with 16-byte loads straight into tensor-core registers (the
-// k-map of common.cuh), kBatch chunks at a time, so A streams in long contiguous runs with no
-// shared-memory staging and no barrier (a per-thread cp.async ring measured slower here). The 8
-// partial products meet once in shared memory, in a fixed order. Phase 2 computes
-// Y^T tiles as U · (s P ⊙ c)^T: U's rows are the A operand, again one 16-byte load per 8 ranks, and
-// P's accumulator fragments are already the B operand's layout, so nothing moves between the phases
-// but one reduction. Column tiles of 32 are interleaved across the warps (a block writes whole row
-// runs) and go out through a small per-warp staging buffer as 16-byte stores.
-//
-// The rank map. Phase 2 loads U[n, 32q + 8c .. 8c + 7] into thread c of each quad; the mma reads
-// those 8 values as the logical ranks 32q + 8h + 2c + e (h = 0..3, e = 0..1) at physical rank
-// 32q + 8c + 2h + e. Phase 1 therefore loads, as logical rank j, the row phys(j) of B^T, and the
-// codes and P are read and written at phys(j). Logical ranks whose physical rank is >= r are zeros.
+// A block owns 16 MT rows (tokens) and 8 NT ranks (r rounded up to 8, 16, 32 or 64). Phase 1: its 8
+// warps split K into contiguous runs; each warp loads A (every token tile) and B^T (r x L, the
+// transposed copy of B) with 16-byte loads straight into tensor-core registers (the k-map of
+// common.cuh), so A streams in long contiguous runs with no shared-memory staging and no barrier, and
+// each B^T load serves MT token tiles. The 8 partial products meet once in shared memory and are summed
+// in a fixed order into s P ⊙ c, stored in A's dtype as plain PyTorch rounds it. Phase 2 computes
+// Y^T tiles as U · (s P ⊙ c)^T: two 4-byte loads per 16 ranks of each of U's rows (the A operand) serve
+// all the block's tokens, whose fragments stay in registers. Column tiles of 32 are interleaved across
+// the warps (a block writes whole row runs) and go out through a per-warp staging buffer as 16-byte
+// stores.
+#include <atomic>
+
 #include "common.cuh"
 #include "launchers.h"
 
 namespace bem {
 namespace {
 
-constexpr int kWarps = 8, kThreads = 256, kTokens = 16, kChunk = 32, kColTile = 32;
-constexpr int kBatch = 4;  // chunks of A loaded before they are used
+constexpr int kWarps = 8, kThreads = 256, kChunk = 32, kColTile = 32;
+constexpr int kLoadsInFlight = 8;  // 16-byte loads of A per thread issued before their products
 
 struct StreamFlags {
   bool expand, accumulate, y_vec;
 };
 
-__device__ __forceinline__ int phys_rank(int logical) {
-  const int q = logical / 32, h = (logical / 8) % 4, c = (logical / 2) % 4, e = logical % 2;
-  return 32 * q + 8 * c + 2 * h + e;
-}
-
-template <int RQ> struct StreamSmem {  // RQ: groups of 32 ranks
-  static constexpr int z_ld = RQ * 32 + 1;
-  static constexpr int z_floats = kWarps * kTokens * z_ld;
+template <int MT, int NT> struct StreamShape {
+  static constexpr int tokens = 16 * MT, ranks = 8 * NT;
+  static constexpr int batch = kLoadsInFlight / (2 * MT);  // K chunks loaded at once
+  static constexpr int ksteps = (ranks + 15) / 16;         // phase 2's k16 steps over the ranks
+  static constexpr int z_ld = ranks + 1;                   // fp32 partials: odd stride spreads the banks
+  static constexpr int z_floats = kWarps * tokens * z_ld;
   static constexpr int y_ld = kColTile + 4;
-  static constexpr int y_floats = kWarps * kTokens * y_ld;
-  static constexpr int floats = z_floats > y_floats ? z_floats : y_floats;
+  static constexpr int y_floats = kWarps * 16 * y_ld;     // per warp: 16 tokens x 32 columns
+  static constexpr int pc_ld = ranks + 2;                  // s P ⊙ c in A's dtype, one row per token
+  static constexpr size_t pc_offset = (size_t)cmax(z_floats, y_floats) * 4;
+  static constexpr size_t smem_bytes = pc_offset + (size_t)tokens * pc_ld * 2;
 };
 
-template <typename T, int RQ>
-__global__ void __launch_bounds__(kThreads) lowrank_stream_kernel(LowRankArgs a, StreamFlags f) {
-  using Smem = StreamSmem<RQ>;
-  constexpr int JT = RQ * 4;  // logical rank tiles of 8 (phase 1's n8 tiles)
-  constexpr int KS = RQ * 2;  // k16 steps over the ranks (phase 2)
-  __shared__ float smem[Smem::floats];
+template <typename T, int MT, int NT>
+__global__ void __launch_bounds__(kThreads, 2) lowrank_stream_kernel(LowRankArgs a, StreamFlags f) {
+  using S = StreamShape<MT, NT>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* zbuf = reinterpret_cast<float*>(smem_raw);  // phase 1's partials, then phase 2's staging
+  T* pcs = reinterpret_cast<T*>(smem_raw + S::pc_offset);
   const T* A = static_cast<const T*>(a.A);
   const T* Bt = static_cast<const T*>(a.Bt);
   const T* codes = static_cast<const T*>(a.codes);
@@ -55,191 +53,246 @@ __global__ void __launch_bounds__(kThreads) lowrank_stream_kernel(LowRankArgs a,
   float* P = static_cast<float*>(a.P);
   const int M = a.M, L = a.L, N = a.N, r = a.r;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  const int m0 = blockIdx.x * kTokens;
+  const int m0 = blockIdx.x * S::tokens;
 
-  // ---- Phase 1: P over this warp's contiguous run of K ----
+  // ---- Phase 1: this warp's share of K for every token of the block ----
   const int chunks = (L + kChunk - 1) / kChunk;
   const int per_warp = (chunks + kWarps - 1) / kWarps;
   const int q_begin = warp * per_warp, q_end = min(chunks, q_begin + per_warp);
-  const bool ok0 = m0 + g < M, ok1 = m0 + g + 8 < M;
-  const T* a0 = A + (size_t)(ok0 ? m0 + g : 0) * L + 8 * c;
-  const T* a1 = A + (size_t)(ok1 ? m0 + g + 8 : 0) * L + 8 * c;
-  const T* bt[JT];
-  bool jok[JT];
+  const T* a_base = A + (size_t)m0 * L + 8 * c;
+  bool row_ok[MT][2];
 #pragma unroll
-  for (int jt = 0; jt < JT; ++jt) {
-    const int j = phys_rank(jt * 8 + g);
-    jok[jt] = j < r;
-    bt[jt] = Bt + (size_t)(jok[jt] ? j : 0) * L + 8 * c;
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) row_ok[mt][h] = m0 + 16 * mt + 8 * h + g < M;
+  const T* bt[NT];
+  bool rank_ok[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    rank_ok[nt] = 8 * nt + g < r;
+    bt[nt] = Bt + (size_t)(rank_ok[nt] ? 8 * nt + g : 0) * L + 8 * c;
   }
-  float z[JT][4] = {};
-  for (int q = q_begin; q < q_end; q += kBatch) {
-    uint4 xa[kBatch], xb[kBatch];
+  float z[MT][NT][4] = {};
+  for (int q = q_begin; q < q_end; q += S::batch) {
+    uint4 xa[S::batch][MT][2];
 #pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
+    for (int i = 0; i < S::batch; ++i) {
       const int k = (q + i) * kChunk;
       const bool in = q + i < q_end && k + 8 * c < L;  // L % 8 == 0: a group of 8 is all in or out
-      xa[i] = in && ok0 ? ld_stream16(a0 + k) : zero4();
-      xb[i] = in && ok1 ? ld_stream16(a1 + k) : zero4();
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          xa[i][mt][h] = in && row_ok[mt][h] ? ld_stream16(a_base + (size_t)(16 * mt + 8 * h + g) * L + k) : zero4();
     }
 #pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
+    for (int i = 0; i < S::batch; ++i) {
       const int k = (q + i) * kChunk;
       const bool in = q + i < q_end && k + 8 * c < L;
 #pragma unroll
-      for (int jt = 0; jt < JT; ++jt) {
-        const uint4 vb = in && jok[jt] ? ld_cached16(bt[jt] + k) : zero4();
-        mma_16816<T>(z[jt], xa[i].x, xb[i].x, xa[i].y, xb[i].y, vb.x, vb.y);
-        mma_16816<T>(z[jt], xa[i].z, xb[i].z, xa[i].w, xb[i].w, vb.z, vb.w);
+      for (int nt = 0; nt < NT; ++nt) {
+        const uint4 vb = in && rank_ok[nt] ? ld_cached16(bt[nt] + k) : zero4();
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const uint4 x0 = xa[i][mt][0], x1 = xa[i][mt][1];
+          mma_16816<T>(z[mt][nt], x0.x, x1.x, x0.y, x1.y, vb.x, vb.y);
+          mma_16816<T>(z[mt][nt], x0.z, x1.z, x0.w, x1.w, vb.z, vb.w);
+        }
       }
     }
   }
-  // z[jt]: tokens (g, g + 8) x logical ranks (8 jt + 2c, + 1), this warp's share of K.
-  float* zs = smem + warp * kTokens * Smem::z_ld;
+  // z[mt][nt]: tokens 16 mt + (g, g + 8) x ranks 8 nt + (2c, 2c + 1), this warp's share of K.
+  float* zs = zbuf + warp * S::tokens * S::z_ld;
 #pragma unroll
-  for (int jt = 0; jt < JT; ++jt) {
-    const int j = jt * 8 + 2 * c;
-    zs[g * Smem::z_ld + j] = z[jt][0];
-    zs[g * Smem::z_ld + j + 1] = z[jt][1];
-    zs[(g + 8) * Smem::z_ld + j] = z[jt][2];
-    zs[(g + 8) * Smem::z_ld + j + 1] = z[jt][3];
-  }
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int t0 = 16 * mt + g, j = 8 * nt + 2 * c;
+      zs[t0 * S::z_ld + j] = z[mt][nt][0];
+      zs[t0 * S::z_ld + j + 1] = z[mt][nt][1];
+      zs[(t0 + 8) * S::z_ld + j] = z[mt][nt][2];
+      zs[(t0 + 8) * S::z_ld + j + 1] = z[mt][nt][3];
+    }
   __syncthreads();
 
-  // ---- P summed over the warps in a fixed order; s * P ⊙ c as phase 2's B fragments ----
-  // pc[s][t]: k16 step s, token tile t (tokens g + 8t): logical ranks 16s + 2c + {0,1} and + 8.
-  uint32_t pc[KS][2][2];
+  // ---- P summed over the warps in a fixed order (coalesced P and codes); s P ⊙ c to shared memory ----
+  for (int e = threadIdx.x; e < S::tokens * S::ranks; e += kThreads) {
+    const int tok = e / S::ranks, j = e % S::ranks, gm = m0 + tok;
+    float sum = 0.f;
 #pragma unroll
-  for (int st = 0; st < KS; ++st)
-#pragma unroll
-    for (int t = 0; t < 2; ++t)
-#pragma unroll
-      for (int hi = 0; hi < 2; ++hi) {
-        const int tok = g + 8 * t, gm = m0 + tok, lj = st * 16 + 8 * hi + 2 * c;
-        float v[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int j = phys_rank(lj + e);
-          const bool valid = gm < M && j < r;
-          float sum = 0.f;
-#pragma unroll
-          for (int w = 0; w < kWarps; ++w) sum += smem[(w * kTokens + tok) * Smem::z_ld + lj + e];
-          if (valid && P != nullptr && warp == 0) P[(size_t)gm * r + j] = sum;
-          const float code = valid && codes ? to_acc(codes[(size_t)gm * r + j]) : 1.f;
-          v[e] = valid ? a.scale * sum * code : 0.f;
-        }
-        pc[st][t][hi] = pack2(from_acc<T>(v[0]), from_acc<T>(v[1]));
-      }
+    for (int w = 0; w < kWarps; ++w) sum += zbuf[(w * S::tokens + tok) * S::z_ld + j];
+    const bool valid = gm < M && j < r;
+    if (valid && P != nullptr) P[(size_t)gm * r + j] = sum;
+    const float code = valid && codes ? to_acc(codes[(size_t)gm * r + j]) : 1.f;
+    pcs[tok * S::pc_ld + j] = from_acc<T>(valid ? static_cast<float>(a.scale) * sum * code : 0.f);
+  }
   if (!f.expand) return;
-  __syncthreads();  // the staging buffers below reuse the partial products' memory
+  __syncthreads();  // s P ⊙ c is complete; the staging buffers below reuse the partials' memory
 
-  // ---- Phase 2: Y^T[32-column tile, 16 tokens] = U[tile] · pc, tiles interleaved across the warps ----
-  float* ys = smem + warp * kTokens * Smem::y_ld;
+  // Phase 2's B fragments: pb[tt][s]: tokens 8 tt + g, ranks 16 s + 2c (+1) and 16 s + 8 + 2c (+1).
+  uint32_t pb[S::tokens / 8][S::ksteps][2];
+#pragma unroll
+  for (int tt = 0; tt < S::tokens / 8; ++tt)
+#pragma unroll
+    for (int s = 0; s < S::ksteps; ++s) {
+      const T* row = pcs + (8 * tt + g) * S::pc_ld + 16 * s + 2 * c;
+      pb[tt][s][0] = *reinterpret_cast<const uint32_t*>(row);
+      pb[tt][s][1] = 16 * s + 8 < S::ranks ? *reinterpret_cast<const uint32_t*>(row + 8) : 0u;
+    }
+
+  // ---- Phase 2: Y^T[32-column tile, tokens] = U[tile] · (s P ⊙ c)^T, tiles interleaved across the warps ----
+  float* ys = zbuf + warp * 16 * S::y_ld;
   const int tiles = (N + kColTile - 1) / kColTile;
-  auto load_u = [&](int t, uint4 (&ua)[2][2][RQ]) {  // [row tile][row g | g + 8][rank group]
+  // ua[sub][s]: U rows 16 sub + (g, g + 8) of tile t, ranks 16 s + 2c (+1) and + 8: the A fragment.
+  auto load_u = [&](int t, uint32_t (&ua)[2][S::ksteps][4]) {
 #pragma unroll
-    for (int rt = 0; rt < 2; ++rt)
+    for (int sub = 0; sub < 2; ++sub)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int n = t * kColTile + rt * 16 + g + 8 * h;
+      for (int s = 0; s < S::ksteps; ++s)
 #pragma unroll
-        for (int rq = 0; rq < RQ; ++rq)
-          ua[rt][h][rq] = t < tiles && n < N && rq * 32 + 8 * c < r
-                              ? ld_cached16(U + (size_t)n * r + rq * 32 + 8 * c) : zero4();
-      }
+        for (int part = 0; part < 4; ++part) {  // {row g lo, row g+8 lo, row g hi, row g+8 hi}
+          const int n = t * kColTile + 16 * sub + g + 8 * (part % 2), j = 16 * s + 8 * (part / 2) + 2 * c;
+          ua[sub][s][part] = t < tiles && n < N && j < r
+                                 ? __ldg(reinterpret_cast<const unsigned int*>(U + (size_t)n * r + j)) : 0u;
+        }
   };
-  uint4 ua[2][2][RQ], ua_next[2][2][RQ];
+  uint32_t ua[2][S::ksteps][4], ua_next[2][S::ksteps][4];
   load_u(warp, ua);
   for (int t = warp; t < tiles; t += kWarps) {
     const int n0 = t * kColTile;
     load_u(t + kWarps, ua_next);  // the next tile's U is in flight while this one computes
 #pragma unroll
-    for (int rt = 0; rt < 2; ++rt) {
-      float d[2][4] = {};
+    for (int tg = 0; tg < MT; ++tg) {  // 16 tokens at a time through the staging buffer
+      float d[2][2][4] = {};
 #pragma unroll
-      for (int rq = 0; rq < RQ; ++rq) {
-        const uint4 u0 = ua[rt][0][rq], u1 = ua[rt][1][rq];
+      for (int sub = 0; sub < 2; ++sub)
+#pragma unroll
+        for (int s = 0; s < S::ksteps; ++s)
+#pragma unroll
+          for (int tt = 0; tt < 2; ++tt)
+            mma_16816<T>(d[sub][tt], ua[sub][s][0], ua[sub][s][1], ua[sub][s][2], ua[sub][s][3],
+                         pb[2 * tg + tt][s][0], pb[2 * tg + tt][s][1]);
+      // d[sub][tt]: columns 16 sub + (g, g + 8) x tokens 16 tg + 8 tt + (2c, 2c + 1)
+#pragma unroll
+      for (int sub = 0; sub < 2; ++sub)
 #pragma unroll
         for (int tt = 0; tt < 2; ++tt) {
-          mma_16816<T>(d[tt], u0.x, u1.x, u0.y, u1.y, pc[2 * rq][tt][0], pc[2 * rq][tt][1]);
-          mma_16816<T>(d[tt], u0.z, u1.z, u0.w, u1.w, pc[2 * rq + 1][tt][0], pc[2 * rq + 1][tt][1]);
+          const int col = 16 * sub + g, tok = 8 * tt + 2 * c;
+          ys[tok * S::y_ld + col] = d[sub][tt][0];
+          ys[(tok + 1) * S::y_ld + col] = d[sub][tt][1];
+          ys[tok * S::y_ld + col + 8] = d[sub][tt][2];
+          ys[(tok + 1) * S::y_ld + col + 8] = d[sub][tt][3];
+        }
+      __syncwarp();
+      const int row0 = m0 + 16 * tg;
+      if (f.y_vec) {
+        // 16 rows x 4 groups of 8 columns: lane l writes rows l / 4 and l / 4 + 8, columns 8 (l % 4).
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = lane / 4 + 8 * h, col = (lane % 4) * 8, gm = row0 + row, gn = n0 + col;
+          if (gm >= M || gn >= N) continue;
+          float v[8];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) v[e] = ys[row * S::y_ld + col + e];
+          store8<T>(Y + (size_t)gm * N + gn, v, bias ? bias + gn : nullptr, f.accumulate);
+        }
+      } else {
+        for (int i = lane; i < 16 * kColTile; i += 32) {
+          const int row = i / kColTile, col = i % kColTile, gm = row0 + row, gn = n0 + col;
+          if (gm >= M || gn >= N) continue;
+          float v = ys[row * S::y_ld + col];
+          if (bias) v += to_acc(bias[gn]);
+          T* dst = Y + (size_t)gm * N + gn;
+          if (f.accumulate) v += to_acc(*dst);
+          *dst = from_acc<T>(v);
         }
       }
-      // d[tt]: columns (rt * 16 + g, + 8) x tokens (8 tt + 2c, + 1)
-#pragma unroll
-      for (int tt = 0; tt < 2; ++tt) {
-        const int col = rt * 16 + g, tok = 8 * tt + 2 * c;
-        ys[tok * Smem::y_ld + col] = d[tt][0];
-        ys[(tok + 1) * Smem::y_ld + col] = d[tt][1];
-        ys[tok * Smem::y_ld + col + 8] = d[tt][2];
-        ys[(tok + 1) * Smem::y_ld + col + 8] = d[tt][3];
-      }
+      __syncwarp();  // the staging buffer is rewritten by the next 16 tokens
     }
-    __syncwarp();
-    if (f.y_vec) {
-      // 16 rows x 4 groups of 8 columns: lane l writes rows l / 4 and l / 4 + 8, columns 8 (l % 4).
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = lane / 4 + 8 * h, col = (lane % 4) * 8, gm = m0 + row, gn = n0 + col;
-        if (gm >= M || gn >= N) continue;
-        float v[8];
+    for (int sub = 0; sub < 2; ++sub)
 #pragma unroll
-        for (int e = 0; e < 8; ++e) v[e] = ys[row * Smem::y_ld + col + e];
-        store8<T>(Y + (size_t)gm * N + gn, v, bias ? bias + gn : nullptr, f.accumulate);
-      }
-    } else {
-      for (int i = lane; i < kTokens * kColTile; i += 32) {
-        const int row = i / kColTile, col = i % kColTile, gm = m0 + row, gn = n0 + col;
-        if (gm >= M || gn >= N) continue;
-        float v = ys[row * Smem::y_ld + col];
-        if (bias) v += to_acc(bias[gn]);
-        T* dst = Y + (size_t)gm * N + gn;
-        if (f.accumulate) v += to_acc(*dst);
-        *dst = from_acc<T>(v);
-      }
-    }
-    __syncwarp();  // the staging buffer is rewritten by the next tile
+      for (int s = 0; s < S::ksteps; ++s)
 #pragma unroll
-    for (int rt = 0; rt < 2; ++rt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int rq = 0; rq < RQ; ++rq) ua[rt][h][rq] = ua_next[rt][h][rq];
+        for (int part = 0; part < 4; ++part) ua[sub][s][part] = ua_next[sub][s][part];
   }
 }
 
+// The dynamic shared memory limit, raised once per device and instantiation.
+template <typename T, int MT, int NT>
+cudaError_t set_smem_limit() {
+  static std::atomic<unsigned long long> raised{0};  // one bit per device (devices 64 and up: every call)
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const unsigned long long bit = device < 64 ? 1ull << device : 0;
+  if (raised.load() & bit) return cudaSuccess;
+  err = cudaFuncSetAttribute(lowrank_stream_kernel<T, MT, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             (int)StreamShape<MT, NT>::smem_bytes);
+  if (err == cudaSuccess) raised.fetch_or(bit);
+  return err;
+}
 
-template <typename T, int RQ>
+template <typename T, int MT, int NT>
 cudaError_t launch_typed(const LowRankArgs& a, cudaStream_t stream) {
+  static_assert(MT * NT <= 16, "the partial products would not fit in registers and shared memory");
+  const cudaError_t err = set_smem_limit<T, MT, NT>();
+  if (err != cudaSuccess) return err;
   StreamFlags f;
   f.expand = a.expand;
   f.accumulate = a.accumulate;
   f.y_vec = a.expand && a.N % 8 == 0 && aligned16(a.Y) && (a.bias == nullptr || aligned16(a.bias));
-  const dim3 grid((a.M + kTokens - 1) / kTokens);
-  lowrank_stream_kernel<T, RQ><<<grid, kThreads, 0, stream>>>(a, f);
+  const dim3 grid((a.M + 16 * MT - 1) / (16 * MT));
+  lowrank_stream_kernel<T, MT, NT><<<grid, kThreads, StreamShape<MT, NT>::smem_bytes, stream>>>(a, f);
   return cudaGetLastError();
 }
 
-template <typename T>
-cudaError_t launch_rank(const LowRankArgs& a, cudaStream_t stream) {
-  if (a.r <= 32) return launch_typed<T, 1>(a, stream);
-  if (a.r <= kStreamMaxRank) return launch_typed<T, 2>(a, stream);
+template <typename T, int MT>
+cudaError_t launch_ranks(const LowRankArgs& a, cudaStream_t stream) {
+  if (a.r <= 8) return launch_typed<T, MT, 1>(a, stream);
+  if (a.r <= 16) return launch_typed<T, MT, 2>(a, stream);
+  if (a.r <= 32) return launch_typed<T, MT, 4>(a, stream);
+  if constexpr (MT <= 2) return launch_typed<T, MT, 8>(a, stream);
   return cudaErrorInvalidValue;
+}
+
+template <typename T>
+cudaError_t launch_tokens(const LowRankArgs& a, cudaStream_t stream) {
+  switch (lowrank_stream_tokens(a)) {
+    case 16: return launch_ranks<T, 1>(a, stream);
+    case 32: return launch_ranks<T, 2>(a, stream);
+    case 64: return launch_ranks<T, 4>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace
 
 bool lowrank_stream_fits(const LowRankArgs& a) {
-  // 16-byte loads of A and B^T rows (L % 8) and of U rows (r % 8).
+  // 16-byte loads of A and B^T rows (L % 8), 4-byte loads of U's rank pairs (r % 8 keeps them aligned).
+  const bool tokens_ok = a.stream_tokens == 0 || a.stream_tokens == 16 || a.stream_tokens == 32 ||
+                         (a.stream_tokens == 64 && a.r <= 32);
   return a.L % 8 == 0 && a.r % 8 == 0 && a.r >= 8 && a.r <= kStreamMaxRank && aligned16(a.A) &&
-         (!a.expand || aligned16(a.U)) && a.P_in == nullptr;
+         (!a.expand || aligned16(a.U)) && a.P_in == nullptr && tokens_ok;
+}
+
+int lowrank_stream_tokens(const LowRankArgs& a) {
+  if (a.stream_tokens != 0) return a.stream_tokens;
+  // The most tokens per block (each B^T and U load serves them all) that still gives every
+  // multiprocessor two blocks; 64 only up to rank 32 (registers).
+  const int wanted_blocks = 2 * (a.num_sms > 0 ? a.num_sms : 1);
+  for (int tokens : {64, 32}) {
+    if (tokens == 64 && a.r > 32) continue;
+    if ((a.M + tokens - 1) / tokens >= wanted_blocks) return tokens;
+  }
+  return 16;
 }
 
 cudaError_t launch_lowrank_stream(DType dtype, const LowRankArgs& args, cudaStream_t stream) {
   if (!lowrank_stream_fits(args) || args.Bt == nullptr || !aligned16(args.Bt)) return cudaErrorInvalidValue;
   switch (dtype) {
-    case DType::kHalf: return launch_rank<__half>(args, stream);
-    case DType::kBFloat16: return launch_rank<__nv_bfloat16>(args, stream);
+    case DType::kHalf: return launch_tokens<__half>(args, stream);
+    case DType::kBFloat16: return launch_tokens<__nv_bfloat16>(args, stream);
     default: return cudaErrorInvalidValue;
   }
 }
