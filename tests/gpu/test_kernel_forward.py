@@ -123,14 +123,15 @@ def test_update_kernels_match_float64(kernel, dtype, M, K, N, r):
 
 
 STREAM_SHAPES = [(1, 64, 40, 8), (75, 264, 77, 16), (1000, 520, 264, 24), (333, 1032, 1000, 32),
-                 (2053, 1024, 1000, 40), (130, 512, 96, 64)]
+                 (2053, 1024, 1000, 40), (130, 512, 96, 64),
+                 (9001, 72, 136, 16), (20011, 64, 72, 8)]  # more token groups than resident blocks: they loop
 
 
 @pytest.mark.parametrize("tokens,M,K,N,r", [(t, *shape) for t in (16, 32, 64) for shape in STREAM_SHAPES
                                             if t < 64 or shape[3] <= 32])
 def test_streaming_update_every_block_height(tokens, M, K, N, r):
-    """The streaming kernel at 16, 32 and 64 tokens per block (64 takes ranks up to 32): partial blocks,
-    padded ranks, odd N, and repeated calls bit-identical."""
+    """The streaming kernel at 16, 32 and 64 tokens per block (64 takes ranks up to 32): partial groups,
+    padded ranks, odd N, blocks that take several groups, and repeated calls bit-identical."""
     x, _, _, V, c, U = operands(M, K, N, r, torch.bfloat16, codes=True, seed=stable_seed(M, K, N, r, tokens))
     ref = update_ref64(x, V, c, U, 0.8)
     torch_err = rel_err(reference.generated_update(x, V, c, U, 0.8), ref)

@@ -36,10 +36,11 @@ template <int MT, int NT> struct StreamShape {
   static constexpr int pc_ld = ranks + 2;                  // s P ⊙ c in A's dtype, one row per token
   static constexpr size_t pc_offset = (size_t)cmax(z_floats, y_floats) * 4;
   static constexpr size_t smem_bytes = pc_offset + (size_t)tokens * pc_ld * 2;
+  static constexpr int min_blocks = MT * NT <= 2 ? 4 : 2;  // resident blocks per SM the registers allow
 };
 
 template <typename T, int MT, int NT>
-__global__ void __launch_bounds__(kThreads, 2) lowrank_stream_kernel(LowRankArgs a, StreamFlags f) {
+__global__ void __launch_bounds__(kThreads, StreamShape<MT, NT>::min_blocks) lowrank_stream_kernel(LowRankArgs a, StreamFlags f) {
   using S = StreamShape<MT, NT>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* zbuf = reinterpret_cast<float*>(smem_raw);  // phase 1's partials, then phase 2's staging
@@ -191,9 +192,9 @@ __global__ void __launch_bounds__(kThreads, 2) lowrank_stream_kernel(LowRankArgs
         for (int h = 0; h < 2; ++h) {
           const int row = lane / 4 + 8 * h, col = (lane % 4) * 8, gm = row0 + row, gn = n0 + col;
           if (gm >= M || gn >= N) continue;
-          float v[8];
-#pragma unroll
-          for (int e = 0; e < 8; ++e) v[e] = ys[row * S::y_ld + col + e];
+          const float4 lo = *reinterpret_cast<const float4*>(ys + row * S::y_ld + col);
+          const float4 hi = *reinterpret_cast<const float4*>(ys + row * S::y_ld + col + 4);
+          float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
           store8<T>(Y + (size_t)gm * N + gn, v, bias ? bias + gn : nullptr, f.accumulate);
         }
       } else {
