@@ -19,7 +19,7 @@ namespace bem {
 namespace {
 
 constexpr int kWarps = 8, kThreads = 256, kChunk = 32, kColTile = 32;
-constexpr int kLoadsInFlight = 8;  // 16-byte loads of A per thread issued before their products
+constexpr int kLoadsInFlight = 16;  // 16-byte loads of A per thread issued before their products
 
 struct StreamFlags {
   bool expand, accumulate, y_vec;
@@ -36,7 +36,7 @@ template <int MT, int NT> struct StreamShape {
   static constexpr int pc_ld = ranks + 2;                  // s P ⊙ c in A's dtype, one row per token
   static constexpr size_t pc_offset = (size_t)cmax(z_floats, y_floats) * 4;
   static constexpr size_t smem_bytes = pc_offset + (size_t)tokens * pc_ld * 2;
-  static constexpr int min_blocks = MT * NT <= 2 ? 4 : 2;  // resident blocks per SM the registers allow
+  static constexpr int min_blocks = 2;  // resident blocks per SM the registers must allow
 };
 
 template <typename T, int MT, int NT>
