@@ -120,8 +120,10 @@ enum UpdateKernel : int64_t {
   kUpdateTiles = 2,   // lowrank_update.cu: 32 rows per block through shared memory (any K, any rank)
 };
 // Where the streaming kernel is the default: measured on an H200 (docs/kernels.md) it beat the tiles
-// kernel at every rank from 8 to 64 once M >= 1024 (4096 x 4096: 53-65% of copy against 34-48%).
+// kernel at ranks 8 to 32 once M >= 1024 (M = 16384, 4096 x 4096: 49-66% of copy against 39-47%); at
+// rank 64 it was no faster (24% against 23% at M = 16384, 21% against 28% at M = 4096).
 constexpr int64_t kStreamMinRows = 1024;
+constexpr int64_t kStreamAutoMaxRank = 32;
 
 // Too few 32-row groups to fill the GPU: the projection A B then goes to cuBLAS (rounded to A's dtype,
 // as plain PyTorch rounds it) and the tiles kernel only expands it.
@@ -133,7 +135,7 @@ bool small_m(const Tensor& A) {
 // the call (lowrank_stream_fits: the shapes and alignment its 16-byte loads need).
 bool stream_takes(const LowRankArgs& args, bool tensor_core, int64_t kernel) {
   if (kernel == kUpdateTiles || !tensor_core || args.M == 0 || !lowrank_stream_fits(args)) return false;
-  return kernel == kUpdateStream || (args.M >= kStreamMinRows && args.expand);
+  return kernel == kUpdateStream || (args.M >= kStreamMinRows && args.r <= kStreamAutoMaxRank && args.expand);
 }
 
 // Y (=|+=) s ((A B) ⊙ codes) U^T (+ bias); returns P = A B.
