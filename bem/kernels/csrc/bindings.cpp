@@ -120,10 +120,12 @@ enum UpdateKernel : int64_t {
   kUpdateTiles = 2,   // lowrank_update.cu: 32 rows per block through shared memory (any K, any rank)
 };
 // Where the streaming kernel is the default: measured on an H200 (docs/kernels.md) it beat the tiles
-// kernel at ranks 8 to 32 once M >= 1024 (M = 16384, 4096 x 4096: 49-66% of copy against 39-47%); at
-// rank 64 it was no faster (24% against 23% at M = 16384, 21% against 28% at M = 4096).
+// kernel at ranks 8 to 32 once M >= 1024 (M = 16384, 4096 x 4096: 49-66% of copy against 39-47%). Above
+// rank 32 it needs blocks of 32 tokens or more to share its B^T and U loads: at M = 16384 (32 tokens)
+// it was faster (fused linear 1.27x against 1.39x F.linear), at M = 4096 (16 tokens) slower (1.36x
+// against 1.24x).
 constexpr int64_t kStreamMinRows = 1024;
-constexpr int64_t kStreamAutoMaxRank = 32;
+constexpr int64_t kStreamSmallBlockMaxRank = 32;
 
 // Too few 32-row groups to fill the GPU: the projection A B then goes to cuBLAS (rounded to A's dtype,
 // as plain PyTorch rounds it) and the tiles kernel only expands it.
@@ -135,7 +137,9 @@ bool small_m(const Tensor& A) {
 // the call (lowrank_stream_fits: the shapes and alignment its 16-byte loads need).
 bool stream_takes(const LowRankArgs& args, bool tensor_core, int64_t kernel) {
   if (kernel == kUpdateTiles || !tensor_core || args.M == 0 || !lowrank_stream_fits(args)) return false;
-  return kernel == kUpdateStream || (args.M >= kStreamMinRows && args.r <= kStreamAutoMaxRank && args.expand);
+  return kernel == kUpdateStream ||
+         (args.M >= kStreamMinRows && args.expand &&
+          (args.r <= kStreamSmallBlockMaxRank || lowrank_stream_tokens(args) >= 32));
 }
 
 // Y (=|+=) s ((A B) ⊙ codes) U^T (+ bias); returns P = A B.
