@@ -1,4 +1,5 @@
-// Shared device helpers for the BEM kernels: dtype conversion, 16-byte async copies, tile geometry.
+// Shared helpers for the BEM kernels: dtype conversion, 16-byte async copies, tile geometry, and the
+// host-side shared-memory limit.
 // Kept free of torch headers so the kernels compile (and can be inspected) with nvcc alone.
 #pragma once
 
@@ -6,6 +7,7 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <mma.h>
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -131,6 +133,23 @@ template <typename T> __device__ __forceinline__ uint32_t pack2(T lo, T hi) {
   memcpy(&l, &lo, 2);
   memcpy(&h, &hi, 2);
   return (uint32_t)l | ((uint32_t)h << 16);
+}
+
+// ---- host side ----
+
+// Raises Kernel's dynamic shared-memory limit to `bytes`, once per device: a driver call per launch
+// costs at decode sizes. Each kernel (the template argument) keeps its own flags.
+template <auto Kernel>
+cudaError_t raise_smem_limit(int bytes) {
+  static std::atomic<unsigned long long> raised{0};  // one bit per device (devices 64 and up: every call)
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const unsigned long long bit = device < 64 ? 1ull << device : 0;
+  if (raised.load() & bit) return cudaSuccess;
+  err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err == cudaSuccess) raised.fetch_or(bit);
+  return err;
 }
 
 }  // namespace bem

@@ -15,7 +15,6 @@
 // writes Y.
 #include <cooperative_groups.h>
 
-#include <atomic>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -233,23 +232,9 @@ cudaLaunchConfig_t launch_config(const DecodeArgs& a, cudaLaunchAttribute* attri
   return config;
 }
 
-// The dynamic shared memory limit, raised once per device (a host call per launch costs at decode sizes).
-template <typename T, int NT>
-cudaError_t set_smem_limit() {
-  static std::atomic<unsigned long long> raised{0};  // one bit per device (devices 64 and up: every call)
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  const unsigned long long bit = device < 64 ? 1ull << device : 0;
-  if (raised.load() & bit) return cudaSuccess;
-  err = cudaFuncSetAttribute(decode_stream_kernel<T, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  if (err == cudaSuccess) raised.fetch_or(bit);
-  return err;
-}
-
 template <typename T, int NT>
 cudaError_t launch_typed(const DecodeArgs& a, cudaStream_t stream) {
-  cudaError_t err = set_smem_limit<T, NT>();
+  cudaError_t err = raise_smem_limit<decode_stream_kernel<T, NT>>(kSmemBytes);
   if (err != cudaSuccess) return err;
   cudaLaunchAttribute attribute[1];
   const cudaLaunchConfig_t config = launch_config<T, NT>(a, attribute, stream);
@@ -271,7 +256,7 @@ int resident_clusters(int cs, int device) {
   auto found = cache.find({device, cs});
   if (found != cache.end()) return found->second;
   int clusters = 0;
-  if (set_smem_limit<__nv_bfloat16, 2>() == cudaSuccess) {
+  if (raise_smem_limit<decode_stream_kernel<__nv_bfloat16, 2>>(kSmemBytes) == cudaSuccess) {
     DecodeArgs probe{};
     probe.N = kRows;
     probe.split_k = cs;

@@ -10,8 +10,6 @@
 // all the block's tokens, whose fragments stay in registers. Column tiles of 32 are interleaved across
 // the warps (a block writes whole row runs) and go out through a per-warp staging buffer as 16-byte
 // stores.
-#include <atomic>
-
 #include "common.cuh"
 #include "launchers.h"
 
@@ -219,25 +217,11 @@ __global__ void __launch_bounds__(kThreads, StreamShape<MT, NT>::min_blocks) low
   }
 }
 
-// The dynamic shared memory limit, raised once per device and instantiation.
-template <typename T, int MT, int NT>
-cudaError_t set_smem_limit() {
-  static std::atomic<unsigned long long> raised{0};  // one bit per device (devices 64 and up: every call)
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  const unsigned long long bit = device < 64 ? 1ull << device : 0;
-  if (raised.load() & bit) return cudaSuccess;
-  err = cudaFuncSetAttribute(lowrank_stream_kernel<T, MT, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             (int)StreamShape<MT, NT>::smem_bytes);
-  if (err == cudaSuccess) raised.fetch_or(bit);
-  return err;
-}
-
 template <typename T, int MT, int NT>
 cudaError_t launch_typed(const LowRankArgs& a, cudaStream_t stream) {
   static_assert(MT * NT <= 16, "the partial products would not fit in registers and shared memory");
-  const cudaError_t err = set_smem_limit<T, MT, NT>();
+  const cudaError_t err =
+      raise_smem_limit<lowrank_stream_kernel<T, MT, NT>>((int)StreamShape<MT, NT>::smem_bytes);
   if (err != cudaSuccess) return err;
   StreamFlags f;
   f.expand = a.expand;
