@@ -34,11 +34,10 @@ template <int MT, int NT> struct StreamShape {
   static constexpr int pc_ld = ranks + 2;                  // s P ⊙ c in A's dtype, one row per token
   static constexpr size_t pc_offset = (size_t)cmax(z_floats, y_floats) * 4;
   static constexpr size_t smem_bytes = pc_offset + (size_t)tokens * pc_ld * 2;
-  static constexpr int min_blocks = 2;  // resident blocks per SM the registers must allow
 };
 
 template <typename T, int MT, int NT>
-__global__ void __launch_bounds__(kThreads, StreamShape<MT, NT>::min_blocks) lowrank_stream_kernel(LowRankArgs a, StreamFlags f) {
+__global__ void __launch_bounds__(kThreads, 2) lowrank_stream_kernel(LowRankArgs a, StreamFlags f) {
   using S = StreamShape<MT, NT>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* zbuf = reinterpret_cast<float*>(smem_raw);  // phase 1's partials, then phase 2's staging
