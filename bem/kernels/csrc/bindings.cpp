@@ -185,8 +185,8 @@ std::tuple<Tensor, Tensor> update_forward(const Tensor& x, const Tensor& V, cons
   check_update_operands(x, V, codes, U);
   BEM_CHECK(stream_tokens == 0 || stream_tokens == 16 || stream_tokens == 32 || stream_tokens == 64,
             "stream_tokens must be 0 (chosen by shape), 16, 32 or 64, got ", stream_tokens);
-  BEM_CHECK(stream_tokens != 64 || V.size(1) <= 32, "stream_tokens = 64 takes ranks up to 32, got rank ",
-            V.size(1));
+  BEM_CHECK(stream_tokens != 64 || V.size(1) <= kStreamTallBlockMaxRank, "stream_tokens = 64 takes ranks up to ",
+            kStreamTallBlockMaxRank, ", got rank ", V.size(1));
   const c10::cuda::CUDAGuard guard(x.device());
   Tensor Y = at::empty({x.size(0), U.size(0)}, x.options());
   Tensor P = run_update(x, V, codes, &U, nullptr, &Y, scale, /*accumulate=*/false, kernel, stream_tokens);

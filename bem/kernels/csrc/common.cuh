@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "launchers.h"
+
 namespace bem {
 
 template <typename T> struct Acc { using type = float; };
@@ -136,6 +138,18 @@ template <typename T> __device__ __forceinline__ uint32_t pack2(T lo, T hi) {
 }
 
 // ---- host side ----
+
+template <typename T> struct TypeTag { using type = T; };
+
+// launch(TypeTag<T>{}) with T the 16-bit type named by dtype; fp32/fp64: cudaErrorInvalidValue.
+template <typename Launch>
+cudaError_t dispatch_half(DType dtype, Launch&& launch) {
+  switch (dtype) {
+    case DType::kHalf: return launch(TypeTag<__half>{});
+    case DType::kBFloat16: return launch(TypeTag<__nv_bfloat16>{});
+    default: return cudaErrorInvalidValue;
+  }
+}
 
 // Raises Kernel's dynamic shared-memory limit to `bytes`, once per device: a driver call per launch
 // costs at decode sizes. Each kernel (the template argument) keeps its own flags.

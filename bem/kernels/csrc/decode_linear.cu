@@ -345,11 +345,7 @@ int decode_k_per_split(int K, int split_k) {
 cudaError_t launch_decode_linear(DType dtype, const DecodeArgs& args, cudaStream_t stream) {
   if (args.M < 1 || args.M > kDecodeMaxTokens || (args.N + kBN - 1) / kBN > kMaxDecodeTiles)
     return cudaErrorInvalidValue;
-  switch (dtype) {
-    case DType::kHalf: return launch_layout<__half>(args, stream);
-    case DType::kBFloat16: return launch_layout<__nv_bfloat16>(args, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return dispatch_half(dtype, [&](auto t) { return launch_layout<typename decltype(t)::type>(args, stream); });
 }
 
 }  // namespace bem

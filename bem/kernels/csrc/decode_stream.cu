@@ -290,11 +290,7 @@ cudaError_t launch_decode_stream(DType dtype, const DecodeArgs& args, cudaStream
   if (args.split_k < 1 || args.split_k > kDecodeStreamMaxCluster || kRows % args.split_k != 0 ||
       args.k_per_split % kChunk != 0 || (size_t)args.split_k * args.k_per_split < (size_t)args.K)
     return cudaErrorInvalidValue;
-  switch (dtype) {
-    case DType::kHalf: return launch_tokens<__half>(args, stream);
-    case DType::kBFloat16: return launch_tokens<__nv_bfloat16>(args, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return dispatch_half(dtype, [&](auto t) { return launch_tokens<typename decltype(t)::type>(args, stream); });
 }
 
 }  // namespace bem

@@ -46,6 +46,7 @@ cudaError_t launch_lowrank_update(DType dtype, const LowRankArgs& args, cudaStre
 // kStreamMaxRank, A and U 16-byte aligned, no P_in, stream_tokens 0, 16, 32 or 64 (64 up to rank 32)).
 // Same outputs as launch_lowrank_update. lowrank_stream_tokens: the tokens per block it will use.
 constexpr int kStreamMaxRank = 64;
+constexpr int kStreamTallBlockMaxRank = 32;  // 64-token blocks: their partial products fill the registers above
 bool lowrank_stream_fits(const LowRankArgs& args);
 int lowrank_stream_tokens(const LowRankArgs& args);
 cudaError_t launch_lowrank_stream(DType dtype, const LowRankArgs& args, cudaStream_t stream);

@@ -255,7 +255,7 @@ cudaError_t launch_tokens(const LowRankArgs& a, cudaStream_t stream) {
 bool lowrank_stream_fits(const LowRankArgs& a) {
   // 16-byte loads of A and B^T rows (L % 8), 4-byte loads of U's rank pairs (r % 8 keeps them aligned).
   const bool tokens_ok = a.stream_tokens == 0 || a.stream_tokens == 16 || a.stream_tokens == 32 ||
-                         (a.stream_tokens == 64 && a.r <= 32);
+                         (a.stream_tokens == 64 && a.r <= kStreamTallBlockMaxRank);
   return a.L % 8 == 0 && a.r % 8 == 0 && a.r >= 8 && a.r <= kStreamMaxRank && aligned16(a.A) &&
          (!a.expand || aligned16(a.U)) && a.P_in == nullptr && tokens_ok;
 }
@@ -266,7 +266,7 @@ int lowrank_stream_tokens(const LowRankArgs& a) {
   // multiprocessor two blocks; 64 only up to rank 32 (registers).
   const int wanted_blocks = 2 * (a.num_sms > 0 ? a.num_sms : 1);
   for (int tokens : {64, 32}) {
-    if (tokens == 64 && a.r > 32) continue;
+    if (tokens == 64 && a.r > kStreamTallBlockMaxRank) continue;
     if ((a.M + tokens - 1) / tokens >= wanted_blocks) return tokens;
   }
   return 16;
@@ -274,11 +274,7 @@ int lowrank_stream_tokens(const LowRankArgs& a) {
 
 cudaError_t launch_lowrank_stream(DType dtype, const LowRankArgs& args, cudaStream_t stream) {
   if (!lowrank_stream_fits(args) || args.Bt == nullptr || !aligned16(args.Bt)) return cudaErrorInvalidValue;
-  switch (dtype) {
-    case DType::kHalf: return launch_tokens<__half>(args, stream);
-    case DType::kBFloat16: return launch_tokens<__nv_bfloat16>(args, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return dispatch_half(dtype, [&](auto t) { return launch_tokens<typename decltype(t)::type>(args, stream); });
 }
 
 }  // namespace bem
