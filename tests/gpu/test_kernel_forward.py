@@ -83,7 +83,7 @@ def test_decode_tiles_split_k_is_exact_and_repeatable(split_k):
 @pytest.mark.parametrize("split_k", [0, 1, 2, 4, 8])
 @pytest.mark.parametrize("M,K,N", [(1, 4096, 4096), (5, 2056, 1000), (8, 520, 130), (9, 264, 77),
                                    (16, 4096, 14336), (13, 14336, 520)])
-@pytest.mark.parametrize("r", [1, 8, 13, 64, 128])
+@pytest.mark.parametrize("r", [1, 8, 13, 24, 32, 64, 128])
 def test_decode_stream_kernel_matches_float64(dtype, split_k, M, K, N, r):
     """Mode 1, the decode dispatch: the streaming kernel (cluster split-K, K % 8 == 0, r <= 32) at every
     cluster size, the tiles kernel for larger ranks; odd N and odd ranks, with and without bias; two
@@ -102,6 +102,20 @@ def test_decode_stream_kernel_matches_float64(dtype, split_k, M, K, N, r):
     assert rel_err(P1, x.double() @ V.double()) < 1e-2
     y_inference, _ = custom_ops._C.linear_forward(x, W, bias, V, c, U, 1.25, 1, split_k, False)
     assert torch.equal(y_inference, first)
+
+
+def test_decode_dispatch_takes_unaligned_operands():
+    """x or V starting 2 bytes past a 16-byte boundary: the streaming kernel's 16-byte loads of x cannot
+    read such an x, so the decode dispatch hands it to the tiles kernel; V it reads by elements. Every
+    combination gives the right result."""
+    x, W, b, V, c, U = operands(3, 1024, 640, 16, torch.bfloat16, codes=True, seed=11)
+    ref = linear_ref64(x, W, b, V, c, U, 1.0)
+    torch_err = rel_err(reference.bem_linear(x, W, b, V, c, U, 1.0), ref)
+    V_off = torch.empty(V.numel() + 1, device=V.device, dtype=V.dtype)[1:].view_as(V).copy_(V)
+    x_off = torch.empty(x.numel() + 1, device=x.device, dtype=x.dtype)[1:].view_as(x).copy_(x)
+    for xs, Vs in ((x, V_off), (x_off, V), (x_off, V_off)):
+        y, _ = custom_ops._C.linear_forward(xs, W, b, Vs, c, U, 1.0, 1)
+        assert rel_err(y, ref) <= bound(torch_err, torch.bfloat16)
 
 
 @pytest.mark.parametrize("kernel", [1, 2])

@@ -32,11 +32,14 @@ template <> __device__ __forceinline__ double from_acc_d<double>(double v) { ret
 template <> __device__ __forceinline__ float from_acc_d<float>(double v) { return static_cast<float>(v); }
 
 // 16-byte global->shared copy that bypasses L1; with valid == false it writes 16 zero bytes
-// (src-size 0), which is how out-of-range rows and columns of a tile become zeros.
+// (src-size 0), which is how out-of-range rows and columns of a tile become zeros. L2 fetches the
+// whole 128-byte line, so a thread's next copies along the same row hit L2: the streaming decode
+// kernel reads W 64 bytes per row per copy, and measured 5-15% faster with this hint (M = 1, 4096²
+// r = 8: 1.26x -> 1.18x F.linear; 4096 x 14336: 1.44x -> 1.23x); the tiles kernels did not change.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int Pending> __device__ __forceinline__ void cp_async_wait() {
@@ -74,10 +77,12 @@ template <typename T> __device__ __forceinline__ uint4 pack8(const float in[8]) 
 
 __device__ __forceinline__ uint4 zero4() { return make_uint4(0, 0, 0, 0); }
 
-// Read-once streaming load (weights): no L1 allocation.
+// Read-once streaming load (activations of the update kernel): no L1 allocation, and L2 fetches the
+// whole 128-byte line, which the thread's next loads along the row then hit (update alone at
+// M = 16384, 4096², r = 8: 65% -> 70% of copy).
 __device__ __forceinline__ uint4 ld_stream16(const void* p) {
   uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+  asm("ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }

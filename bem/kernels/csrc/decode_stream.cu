@@ -7,9 +7,10 @@
 // what it copied, so no barrier ever stalls the stream; each copy is already in the layout of a
 // tensor-core operand (see the k-map note in common.cuh), and rows are read in long contiguous runs.
 // A block owns 128 rows of W over one slice of K; the CS blocks that share those rows form a
-// thread-block cluster. Each block also computes X V over its slice of V and, since the update
-// is linear in X V, adds its own share s ((X V)_slice ⊙ c) U^T to its rows with one more mma (V, U and
-// the codes are prefetched into L1 at the start, so this costs no extra trip to memory). After one
+// thread-block cluster. Since the update is linear in X V, each block adds its own share
+// s ((X V)_slice ⊙ c) U^T to its rows, and it does so first, while its first kStages - 1 chunks of W are
+// on their way: the update's loads and its short chain of barriers overlap the stream instead of
+// following it, and they leave the block's x in L1 for the stream's loop. After the stream and one
 // cluster barrier, block q of the cluster sums the CS partial results for its 128/CS rows through
 // distributed shared memory in a fixed order (deterministic, no workspace, no counters), adds b and
 // writes Y.
@@ -29,23 +30,34 @@ namespace cg = cooperative_groups;
 
 constexpr int kRows = 128;    // rows of W per block: 16 per warp
 constexpr int kThreads = 256; // 8 warps
+constexpr int kWarps = kThreads / 32;
 constexpr int kChunk = 32;    // k per 16-byte load across the 4 threads of a row
 constexpr int kStages = 8;    // chunks of W in flight per thread (2 x 16 bytes each)
+constexpr int kTokens = kDecodeStreamMaxTokens;
+constexpr int kRankSteps = kDecodeStreamMaxRank / 16;  // k16 steps of the update's mma
 constexpr int kYLd = kRows + 4;
-// Dynamic shared memory: the ring while W streams, then the epilogue's buffers in the same bytes.
+// Dynamic shared memory: the ring, then the update's buffers (live while W streams); the partial
+// X W^T (ys, read by the cluster at the end) reuses the ring's bytes once the stream is done.
 constexpr int kRingBytes = kStages * 2 * kThreads * 16;
-constexpr int kYsOffset = 0;                                                            // float [16][kYLd]
-constexpr int kZpartOffset = kYsOffset + kDecodeStreamMaxTokens * kYLd * 4;             // float [16 jobs][16][8]
-constexpr int kZbOffset = kZpartOffset + 16 * kDecodeStreamMaxTokens * 8 * 4;          // float [16][128]
-constexpr int kZcOffset = kZbOffset + kDecodeStreamMaxTokens * kMaxFusedRank * 4;       // T [16][128]
-constexpr int kSmemBytes = cmax(kRingBytes, kZcOffset + kDecodeStreamMaxTokens * kMaxFusedRank * 2);
+constexpr int kZpartOffset = kRingBytes;                                        // float [8 jobs][16][8]
+constexpr int kZbOffset = kZpartOffset + kWarps * kTokens * 8 * 4;              // float [16][r]
+constexpr int kZcOffset = kZbOffset + kTokens * kDecodeStreamMaxRank * 4;  // T [16][r padded to 16]
+constexpr int kSmemBytes = kZcOffset + kTokens * kDecodeStreamMaxRank * 2;
+static_assert(kTokens * kYLd * 4 <= kRingBytes, "ys must fit in the ring's bytes");
+
+// U[row][j], U[row][j + 1] as one mma operand word, zeros past the rank or outside the matrix.
+template <typename T>
+__device__ __forceinline__ uint32_t u_pair(const T* u_row, bool row_ok, int j, int r) {
+  const T zero = from_acc<T>(0.f);
+  return pack2(row_ok && j < r ? u_row[j] : zero, row_ok && j + 1 < r ? u_row[j + 1] : zero);
+}
 
 template <typename T, int NT>
-__global__ void __launch_bounds__(kThreads, 2) decode_stream_kernel(DecodeArgs p) {
+__global__ void __launch_bounds__(kThreads, 3) decode_stream_kernel(DecodeArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(16) unsigned char smem[];
   uint4* ring = reinterpret_cast<uint4*>(smem);                    // [stage][row g | g + 8][thread]
-  float* ys = reinterpret_cast<float*>(smem + kYsOffset);          // this block's partial X W^T (token-major)
+  float* ys = reinterpret_cast<float*>(smem);                      // after the stream: partial X W^T + update
   float* zpart = reinterpret_cast<float*>(smem + kZpartOffset);    // per-warp partial X V fragments
   float* zb = reinterpret_cast<float*>(smem + kZbOffset);          // this block's partial X V (M x r)
   T* zc = reinterpret_cast<T*>(smem + kZcOffset);                  // s * zb ⊙ c as mma operands, 0-padded
@@ -62,16 +74,12 @@ __global__ void __launch_bounds__(kThreads, 2) decode_stream_kernel(DecodeArgs p
   T* Y = static_cast<T*>(p.Y);
   const int M = p.M, N = p.N, K = p.K, r = p.r;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int tid = threadIdx.x;
   const int n0 = blockIdx.x * kRows;
   const int k_begin = rank * p.k_per_split;
   const int k_end = min(K, k_begin + p.k_per_split);
   const int nchunks = k_end > k_begin ? (k_end - k_begin + kChunk - 1) / kChunk : 0;
   const int rp = (r + 15) / 16 * 16;  // rank padded to the mma's k16
-
-  // The epilogue's operands, small and reused: into L1 now, while W streams.
-  if (nchunks > 0) prefetch_l1(V + (size_t)k_begin * r, (size_t)(k_end - k_begin) * r * sizeof(T), threadIdx.x, kThreads);
-  prefetch_l1(U + (size_t)n0 * r, (size_t)(min(N, n0 + kRows) - n0) * r * sizeof(T), threadIdx.x, kThreads);
-  if (codes) prefetch_l1(codes, (size_t)M * r * sizeof(T), threadIdx.x, kThreads);
 
   // This thread's operand rows: tokens g and g + 8, rows g and g + 8 of the warp's 16 rows of W.
   const bool x_ok0 = g < M, x_ok1 = g + 8 < M;
@@ -82,8 +90,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_stream_kernel(DecodeArgs p
   const T* w0 = W + (size_t)(w_ok0 ? row0 : 0) * K + 8 * c;
   const T* w1 = W + (size_t)(w_ok1 ? row0 + 8 : 0) * K + 8 * c;
 
-  // ---- X W^T over this block's slice of K ----
-  const int tid = threadIdx.x;
   auto issue = [&](int q) {  // chunk q's two W fragments of this thread into its ring slot
     const int k = k_begin + q * kChunk, slot = q % kStages;
     const bool in = q < nchunks && k + 8 * c < k_end;  // K % 8 == 0: a group of 8 is all in or all out
@@ -96,12 +102,85 @@ __global__ void __launch_bounds__(kThreads, 2) decode_stream_kernel(DecodeArgs p
     xa = in && x_ok0 ? ld_cached16(x0 + k) : zero4();
     if constexpr (NT == 2) xb = in && x_ok1 ? ld_cached16(x1 + k) : zero4();
   };
-  float acc[NT][4] = {};
+
+  // ---- W starts streaming: the first kStages - 1 chunks of this thread's ring ----
 #pragma unroll
   for (int q = 0; q < kStages - 1; ++q) {
     issue(q);
     cp_async_commit();
   }
+
+  // ---- The update's share, computed while those chunks are in flight ----
+  // U's fragments for this thread's rows (g, g + 8): loaded now, so their latency overlaps X V's.
+  const T* u0 = U + (size_t)(w_ok0 ? row0 : 0) * r;
+  const T* u1 = U + (size_t)(w_ok1 ? row0 + 8 : 0) * r;
+  uint32_t ua[kRankSteps][4];
+#pragma unroll
+  for (int s = 0; s < kRankSteps; ++s) {
+    const int j = 16 * s + 2 * c;  // ranks j, j + 1 and j + 8, j + 9: {row g lo, row g+8 lo, row g hi, row g+8 hi}
+    const bool live = 16 * s < rp;
+    ua[s][0] = live ? u_pair(u0, w_ok0, j, r) : 0u;
+    ua[s][1] = live ? u_pair(u1, w_ok1, j, r) : 0u;
+    ua[s][2] = live ? u_pair(u0, w_ok0, j + 8, r) : 0u;
+    ua[s][3] = live ? u_pair(u1, w_ok1, j + 8, r) : 0u;
+  }
+
+  // X V over this block's slice: tokens as the m16 rows, 8 ranks per n8 tile. Each warp takes one job:
+  // a rank tile, over every kparts-th chunk while there are fewer tiles than warps.
+  const int jtiles = (r + 7) / 8;
+  const int kparts = kWarps / jtiles;
+  if (warp < jtiles * kparts) {
+    const int jt = warp / kparts, kp = warp % kparts;
+    const int j = jt * 8 + g;
+    float z[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+    for (int q = kp; q < nchunks; q += kparts) {
+      const int k = k_begin + q * kChunk;
+      const bool in = k + 8 * c < k_end;
+      const uint4 a0 = in && x_ok0 ? ld_cached16(x0 + k) : zero4();
+      const uint4 a1 = in && x_ok1 ? ld_cached16(x1 + k) : zero4();
+      T v[8];
+      const T* vp = V + (size_t)(k + 8 * c) * r + j;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = in && j < r ? vp[(size_t)e * r] : from_acc<T>(0.f);
+      mma_16816<T>(z, a0.x, a1.x, a0.y, a1.y, pack2(v[0], v[1]), pack2(v[2], v[3]));
+      mma_16816<T>(z, a0.z, a1.z, a0.w, a1.w, pack2(v[4], v[5]), pack2(v[6], v[7]));
+    }
+    // z: tokens (g, g+8) x ranks (2c, 2c+1) of this tile.
+    float* zp = zpart + warp * (kTokens * 8);
+    zp[g * 8 + 2 * c] = z[0];
+    zp[g * 8 + 2 * c + 1] = z[1];
+    zp[(g + 8) * 8 + 2 * c] = z[2];
+    zp[(g + 8) * 8 + 2 * c + 1] = z[3];
+  }
+  __syncthreads();
+  for (int i = tid; i < kTokens * rp; i += kThreads) {
+    const int m = i / rp, j = i % rp, jt = j / 8;
+    float sum = 0.f;
+    if (m < M && j < r) {
+      for (int kp = 0; kp < kparts; ++kp) sum += zpart[(jt * kparts + kp) * (kTokens * 8) + m * 8 + j % 8];
+      zb[m * r + j] = sum;
+      sum *= p.scale * (codes ? to_acc(codes[m * r + j]) : 1.f);
+    }
+    zc[m * rp + j] = from_acc<T>(sum);
+  }
+  __syncthreads();
+
+  // acc = U[rows] (s zb ⊙ c)^T, k = rank; then X W^T accumulates on top.
+  // acc[t] holds rows (g, g+8) x tokens (8t + 2c, 8t + 2c + 1) of Y^T.
+  float acc[NT][4] = {};
+#pragma unroll
+  for (int s = 0; s < kRankSteps; ++s) {
+    if (16 * s >= rp) break;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const T* zt = zc + (8 * t + g) * rp + 16 * s + 2 * c;  // even offset: one 4-byte word per pair
+      mma_16816<T>(acc[t], ua[s][0], ua[s][1], ua[s][2], ua[s][3], *reinterpret_cast<const uint32_t*>(zt),
+                   *reinterpret_cast<const uint32_t*>(zt + 8));
+    }
+  }
+
+  // ---- X W^T over this block's slice of K ----
   uint4 xa, xb = zero4(), xa_next, xb_next = zero4();
   load_x(0, xa, xb);
   for (int q = 0; q < nchunks; ++q) {
@@ -121,69 +200,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_stream_kernel(DecodeArgs p
     xb = xb_next;
   }
   cp_async_wait<0>();
-  __syncthreads();  // the ring's bytes become the epilogue's buffers
-
-  // ---- X V over the same slice: tokens as the m16 rows, 8 ranks per n8 tile ----
-  // Warps split the rank tiles, and the slice's chunks too while there are fewer tiles than warps.
-  const int jtiles = (r + 7) / 8;
-  const int kparts = jtiles >= 8 ? 1 : 8 / jtiles;
-  for (int job = warp; job < jtiles * kparts; job += 8) {
-    const int jt = job / kparts, kp = job % kparts;
-    const int j = jt * 8 + g;
-    float z[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-    for (int q = kp; q < nchunks; q += kparts) {
-      const int k = k_begin + q * kChunk;
-      const bool in = k + 8 * c < k_end;
-      const uint4 a0 = in && x_ok0 ? ld_cached16(x0 + k) : zero4();
-      const uint4 a1 = in && x_ok1 ? ld_cached16(x1 + k) : zero4();
-      T v[8];
-      const T* vp = V + (size_t)(k + 8 * c) * r + j;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) v[e] = in && j < r ? vp[(size_t)e * r] : from_acc<T>(0.f);
-      mma_16816<T>(z, a0.x, a1.x, a0.y, a1.y, pack2(v[0], v[1]), pack2(v[2], v[3]));
-      mma_16816<T>(z, a0.z, a1.z, a0.w, a1.w, pack2(v[4], v[5]), pack2(v[6], v[7]));
-    }
-    // z: tokens (g, g+8) x ranks (2c, 2c+1) of this tile.
-    float* zp = zpart + job * (kDecodeStreamMaxTokens * 8);
-    zp[g * 8 + 2 * c] = z[0];
-    zp[g * 8 + 2 * c + 1] = z[1];
-    zp[(g + 8) * 8 + 2 * c] = z[2];
-    zp[(g + 8) * 8 + 2 * c + 1] = z[3];
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < kDecodeStreamMaxTokens * rp; i += kThreads) {
-    const int m = i / rp, j = i % rp, jt = j / 8;
-    float sum = 0.f;
-    if (m < M && j < r) {
-      for (int kp = 0; kp < kparts; ++kp) sum += zpart[(jt * kparts + kp) * (kDecodeStreamMaxTokens * 8) + m * 8 + j % 8];
-      zb[m * r + j] = sum;
-      sum *= p.scale * (codes ? to_acc(codes[m * r + j]) : 1.f);
-    }
-    zc[m * rp + j] = from_acc<T>(sum);
-  }
-  __syncthreads();
-
-  // ---- This block's share of the update: acc += U[rows] (s zb ⊙ c)^T, k = rank ----
-  const T* u0 = U + (size_t)(w_ok0 ? row0 : 0) * r;
-  const T* u1 = U + (size_t)(w_ok1 ? row0 + 8 : 0) * r;
-  const T tzero = from_acc<T>(0.f);
-  for (int j0 = 0; j0 < rp; j0 += 16) {
-    T ua[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {  // rows (g, g+8) x ranks j0 + 2c + {0, 1} and + 8
-      const int j = j0 + 2 * c + (e & 1) + 8 * ((e >> 2) & 1);
-      const bool second_row = (e >> 1) & 1;
-      ua[e] = j < r && (second_row ? w_ok1 : w_ok0) ? (second_row ? u1 : u0)[j] : tzero;
-    }
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-      const T* zt = zc + (8 * t + g) * rp + j0 + 2 * c;
-      mma_16816<T>(acc[t], pack2(ua[0], ua[1]), pack2(ua[2], ua[3]), pack2(ua[4], ua[5]), pack2(ua[6], ua[7]),
-                   pack2(zt[0], zt[1]), pack2(zt[8], zt[9]));
-    }
-  }
-  // acc[t] holds rows (g, g+8) x tokens (8t + 2c, 8t + 2c + 1) of Y^T.
+  __syncthreads();  // every thread is done with the ring: ys takes its bytes
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
     const int m = 8 * t + 2 * c, n = warp * 16 + g;
@@ -195,19 +212,31 @@ __global__ void __launch_bounds__(kThreads, 2) decode_stream_kernel(DecodeArgs p
   cluster.sync();  // every block's ys and zb are complete and visible to the cluster
 
   // ---- Sum the cluster's partial rows [rank * rows, (rank + 1) * rows) in a fixed order ----
+  // All CS remote reads are issued before the first add, so their latencies overlap.
   const int rows = kRows / cs, row_begin = rank * rows;
-  for (int i = threadIdx.x; i < rows * M; i += kThreads) {
+  for (int i = tid; i < rows * M; i += kThreads) {
     const int nl = row_begin + i % rows, m = i / rows, n = n0 + nl;
     if (n >= N) continue;
-    float y = 0.f;
-    for (int s = 0; s < cs; ++s) y += cluster.map_shared_rank(ys, s)[m * kYLd + nl];
+    float part[kDecodeStreamMaxCluster];
+#pragma unroll
+    for (int s = 0; s < kDecodeStreamMaxCluster; ++s)
+      part[s] = s < cs ? cluster.map_shared_rank(ys, s)[m * kYLd + nl] : 0.f;
+    float y = part[0];
+#pragma unroll
+    for (int s = 1; s < kDecodeStreamMaxCluster; ++s)
+      if (s < cs) y += part[s];
     if (bias) y += to_acc(bias[n]);
     Y[(size_t)m * N + n] = from_acc<T>(y);
   }
   if (p.P && blockIdx.x == 0 && rank == 0) {  // X V for the backward (skipped at inference)
-    for (int i = threadIdx.x; i < M * r; i += kThreads) {
-      float z = 0.f;
-      for (int s = 0; s < cs; ++s) z += cluster.map_shared_rank(zb, s)[i];
+    for (int i = tid; i < M * r; i += kThreads) {
+      float part[kDecodeStreamMaxCluster];
+#pragma unroll
+      for (int s = 0; s < kDecodeStreamMaxCluster; ++s) part[s] = s < cs ? cluster.map_shared_rank(zb, s)[i] : 0.f;
+      float z = part[0];
+#pragma unroll
+      for (int s = 1; s < kDecodeStreamMaxCluster; ++s)
+        if (s < cs) z += part[s];
       p.P[i] = z;
     }
   }
@@ -275,7 +304,7 @@ int resident_clusters(int cs, int device) {
 
 bool decode_stream_fits(const DecodeArgs& a, int cc_major) {
   return cc_major >= 9 && a.M >= 1 && a.M <= kDecodeStreamMaxTokens && !a.w_transposed && a.K % 8 == 0 &&
-         a.r >= 1 && a.r <= kMaxFusedRank && aligned16(a.X) && aligned16(a.W);
+         a.r >= 1 && a.r <= kDecodeStreamMaxRank && aligned16(a.X) && aligned16(a.W);
 }
 
 int decode_stream_split(int N, int K, int device) {

@@ -76,11 +76,11 @@ int decode_split_k(int M, int N, int K, int r, bool w_transposed, int num_sms, i
 int decode_k_per_split(int K, int split_k);
 cudaError_t launch_decode_linear(DType dtype, const DecodeArgs& args, cudaStream_t stream);
 
-// The streaming decode kernel (sm_90, M <= kDecodeStreamMaxTokens, W row-major, K % 8 == 0, X and W
-// 16-byte aligned): split_k is the thread-block cluster size (1, 2, 4 or 8), k_per_split a multiple of
-// 32; no workspace. decode_stream_fits says whether it takes the call (cc_major: the device's).
+// The streaming decode kernel (sm_90, M <= kDecodeStreamMaxTokens, r <= kDecodeStreamMaxRank, W
+// row-major, K % 8 == 0, X and W 16-byte aligned): split_k is the thread-block cluster size (1, 2, 4
+// or 8), k_per_split a multiple of 32; no workspace. decode_stream_fits says whether it takes the call (cc_major: the device's).
 constexpr int kDecodeStreamMaxTokens = 16;
-constexpr int kDecodeStreamMaxRank = 32;  // the dispatch's limit (the kernel itself takes r <= 128)
+constexpr int kDecodeStreamMaxRank = 32;  // its shared-memory plan; above it the tiles kernel measured faster
 constexpr int kDecodeStreamMaxCluster = 8;
 bool decode_stream_fits(const DecodeArgs& args, int cc_major);
 int decode_stream_split(int N, int K, int device);
