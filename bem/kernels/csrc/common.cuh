@@ -126,14 +126,6 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a
   }
 }
 
-// Pulls [p, p + bytes) into L1 without holding registers: issued early, the small operands of an
-// epilogue arrive while the main loop streams.
-__device__ __forceinline__ void prefetch_l1(const void* p, size_t bytes, int tid, int threads) {
-  const char* base = static_cast<const char*>(p);
-  for (size_t off = (size_t)tid * 128; off < bytes; off += (size_t)threads * 128)
-    asm volatile("prefetch.global.L1 [%0];\n" ::"l"(base + off));
-}
-
 // Two 16-bit values as one mma operand word (lo in the low half).
 template <typename T> __device__ __forceinline__ uint32_t pack2(T lo, T hi) {
   uint16_t l, h;

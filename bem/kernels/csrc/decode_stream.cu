@@ -52,6 +52,19 @@ __device__ __forceinline__ uint32_t u_pair(const T* u_row, bool row_ok, int j, i
   return pack2(row_ok && j < r ? u_row[j] : zero, row_ok && j + 1 < r ? u_row[j + 1] : zero);
 }
 
+// The fixed-order sum over the cluster's CS blocks of buf[i] in each block's shared memory; every remote
+// read is issued before the first add, so their latencies overlap.
+__device__ __forceinline__ float cluster_sum(cg::cluster_group& cluster, float* buf, int i, int cs) {
+  float part[kDecodeStreamMaxCluster];
+#pragma unroll
+  for (int s = 0; s < kDecodeStreamMaxCluster; ++s) part[s] = s < cs ? cluster.map_shared_rank(buf, s)[i] : 0.f;
+  float sum = part[0];
+#pragma unroll
+  for (int s = 1; s < kDecodeStreamMaxCluster; ++s)
+    if (s < cs) sum += part[s];
+  return sum;
+}
+
 template <typename T, int NT>
 __global__ void __launch_bounds__(kThreads, 3) decode_stream_kernel(DecodeArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -212,40 +225,21 @@ __global__ void __launch_bounds__(kThreads, 3) decode_stream_kernel(DecodeArgs p
   cluster.sync();  // every block's ys and zb are complete and visible to the cluster
 
   // ---- Sum the cluster's partial rows [rank * rows, (rank + 1) * rows) in a fixed order ----
-  // All CS remote reads are issued before the first add, so their latencies overlap.
   const int rows = kRows / cs, row_begin = rank * rows;
   for (int i = tid; i < rows * M; i += kThreads) {
     const int nl = row_begin + i % rows, m = i / rows, n = n0 + nl;
     if (n >= N) continue;
-    float part[kDecodeStreamMaxCluster];
-#pragma unroll
-    for (int s = 0; s < kDecodeStreamMaxCluster; ++s)
-      part[s] = s < cs ? cluster.map_shared_rank(ys, s)[m * kYLd + nl] : 0.f;
-    float y = part[0];
-#pragma unroll
-    for (int s = 1; s < kDecodeStreamMaxCluster; ++s)
-      if (s < cs) y += part[s];
+    float y = cluster_sum(cluster, ys, m * kYLd + nl, cs);
     if (bias) y += to_acc(bias[n]);
     Y[(size_t)m * N + n] = from_acc<T>(y);
   }
   if (p.P && blockIdx.x == 0 && rank == 0) {  // X V for the backward (skipped at inference)
-    for (int i = tid; i < M * r; i += kThreads) {
-      float part[kDecodeStreamMaxCluster];
-#pragma unroll
-      for (int s = 0; s < kDecodeStreamMaxCluster; ++s) part[s] = s < cs ? cluster.map_shared_rank(zb, s)[i] : 0.f;
-      float z = part[0];
-#pragma unroll
-      for (int s = 1; s < kDecodeStreamMaxCluster; ++s)
-        if (s < cs) z += part[s];
-      p.P[i] = z;
-    }
+    for (int i = tid; i < M * r; i += kThreads) p.P[i] = cluster_sum(cluster, zb, i, cs);
   }
   cluster.sync();  // no block leaves while another still reads its shared memory
 #endif
 }
 
-
-template <typename T, int NT>
 cudaLaunchConfig_t launch_config(const DecodeArgs& a, cudaLaunchAttribute* attribute, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3((a.N + kRows - 1) / kRows, a.split_k, 1);
@@ -266,7 +260,7 @@ cudaError_t launch_typed(const DecodeArgs& a, cudaStream_t stream) {
   cudaError_t err = raise_smem_limit<decode_stream_kernel<T, NT>>(kSmemBytes);
   if (err != cudaSuccess) return err;
   cudaLaunchAttribute attribute[1];
-  const cudaLaunchConfig_t config = launch_config<T, NT>(a, attribute, stream);
+  const cudaLaunchConfig_t config = launch_config(a, attribute, stream);
   return cudaLaunchKernelEx(&config, decode_stream_kernel<T, NT>, a);
 }
 
@@ -290,7 +284,7 @@ int resident_clusters(int cs, int device) {
     probe.N = kRows;
     probe.split_k = cs;
     cudaLaunchAttribute attribute[1];
-    const cudaLaunchConfig_t config = launch_config<__nv_bfloat16, 2>(probe, attribute, nullptr);
+    const cudaLaunchConfig_t config = launch_config(probe, attribute, nullptr);
     if (cudaOccupancyMaxActiveClusters(&clusters, decode_stream_kernel<__nv_bfloat16, 2>, &config) != cudaSuccess) {
       cudaGetLastError();  // not sticky: clear it, and plan as if nothing were resident
       clusters = 0;

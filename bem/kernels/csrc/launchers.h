@@ -78,7 +78,8 @@ cudaError_t launch_decode_linear(DType dtype, const DecodeArgs& args, cudaStream
 
 // The streaming decode kernel (sm_90, M <= kDecodeStreamMaxTokens, r <= kDecodeStreamMaxRank, W
 // row-major, K % 8 == 0, X and W 16-byte aligned): split_k is the thread-block cluster size (1, 2, 4
-// or 8), k_per_split a multiple of 32; no workspace. decode_stream_fits says whether it takes the call (cc_major: the device's).
+// or 8), k_per_split a multiple of 32; no workspace. decode_stream_fits says whether it takes the call
+// (cc_major: the device's).
 constexpr int kDecodeStreamMaxTokens = 16;
 constexpr int kDecodeStreamMaxRank = 32;  // its shared-memory plan; above it the tiles kernel measured faster
 constexpr int kDecodeStreamMaxCluster = 8;
