@@ -10,7 +10,10 @@ import os
 
 from setuptools import find_packages, setup
 
-KERNEL_SOURCES = ["bindings.cpp", "lowrank_update.cu", "decode_linear.cu", "decode_stream.cu", "lowrank_stream.cu"]
+KERNEL_SOURCES = [
+    "bindings.cpp", "lowrank_update.cu", "decode_linear.cu", "decode_stream.cu", "lowrank_stream.cu",
+    "scale_codes.cu",
+]
 
 
 def _use_system_compiler() -> None:

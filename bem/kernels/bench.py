@@ -167,6 +167,8 @@ def _update_variants(sets: list[dict], s: float) -> dict[str, Callable[[int], ob
            for tokens in (16, 32, 64) if tokens < 64 or sets[0]["V"].shape[1] <= 32},
         "update tiles kernel": lambda i: custom_ops._C.update_forward(
             pick(i)["x"], pick(i)["V"].detach(), pick(i)["c"].detach(), pick(i)["U"].detach(), s, 2),
+        "update two GEMMs": lambda i: custom_ops._C.update_forward(
+            pick(i)["x"], pick(i)["V"].detach(), pick(i)["c"].detach(), pick(i)["U"].detach(), s, 3),
         "x V only (fused)": lambda i: custom_ops._C.project(pick(i)["x"], pick(i)["V"].detach()),
     }
 
@@ -184,9 +186,10 @@ def bench_shape(M: int, K: int, N: int, r: int, copy_gbps: float, l2_bytes: int)
     s = 2.0
     sets = _sets(M, K, N, r, l2_bytes)
     calls = max(len(sets), 8 if M * N * K < 1 << 34 else len(sets))
-    fwd = _time_interleaved(_forward_variants(sets, s, M), calls)
+    with torch.no_grad():  # inference: the dispatch's choice for forward-only calls
+        fwd = _time_interleaved(_forward_variants(sets, s, M), calls)
+        upd = _time_interleaved(_update_variants(sets, s), calls)
     bwd = _time_interleaved(_backward_variants(sets, s), calls)
-    upd = _time_interleaved(_update_variants(sets, s), calls)
     update_bytes = 2 * (M * K + M * N + M * r + (K + N) * r)
     moved = {name: update_bytes for name in upd}
     moved["x V only (fused)"] = 2 * (M * K + K * r) + 4 * M * r
@@ -253,9 +256,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": props.name, "ceilings": ceil, "results": results}, f, indent=1)
-    print("\nSummary (ratios to F.linear; update alone as % of copy bandwidth: default, streaming and tiles kernels)")
+    print("\nSummary (ratios to F.linear; update alone as % of copy bandwidth: default, PyTorch, streaming "
+          "kernel, tiles kernel, two cuBLAS GEMMs)")
     print(f"{'M':>6}{'K':>6}{'N':>6}{'r':>4}{'PEFT':>7}{'ref':>7}{'fused':>7}{'fb ref':>8}{'fb fused':>9}"
-          f"{'upd %cp':>9}{'torch':>7}{'stream':>8}{'t16':>6}{'t32':>6}{'t64':>6}{'tiles':>7}")
+          f"{'upd %cp':>9}{'torch':>7}{'stream':>8}{'t16':>6}{'t32':>6}{'t64':>6}{'tiles':>7}{'gemms':>7}")
     for res in results:
         shp, fwd, fb = res["shape"], res["forward_ms"], res["forward_backward_ms"]
         pct = res["update_pct_copy"]
@@ -266,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{pct['update stream kernel']:>8.1f}"
               + "".join(f"{pct[f'update stream t{t}']:>6.1f}" if f"update stream t{t}" in pct else f"{'-':>6}"
                         for t in (16, 32, 64))
-              + f"{pct['update tiles kernel']:>7.1f}")
+              + f"{pct['update tiles kernel']:>7.1f}{pct['update two GEMMs']:>7.1f}")
     print(header)
 
 

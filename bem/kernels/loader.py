@@ -15,7 +15,10 @@ from typing import Optional
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ["bindings.cpp", "lowrank_update.cu", "decode_linear.cu", "decode_stream.cu", "lowrank_stream.cu"]
+SOURCES = [
+    "bindings.cpp", "lowrank_update.cu", "decode_linear.cu", "decode_stream.cu", "lowrank_stream.cu",
+    "scale_codes.cu",
+]
 NVCC_FLAGS = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]
 CXX_FLAGS = ["-O3", "-std=c++17"]
 

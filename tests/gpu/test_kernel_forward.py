@@ -118,13 +118,14 @@ def test_decode_dispatch_takes_unaligned_operands():
         assert rel_err(y, ref) <= bound(torch_err, torch.bfloat16)
 
 
-@pytest.mark.parametrize("kernel", [1, 2])
+@pytest.mark.parametrize("kernel", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("M,K,N", [(1, 64, 40), (37, 136, 77), (1000, 520, 264), (2053, 1024, 1000),
                                    (4096, 768, 768)])
 @pytest.mark.parametrize("r", [1, 8, 13, 16, 24, 32, 40, 64])
 def test_update_kernels_match_float64(kernel, dtype, M, K, N, r):
-    """Both update kernels, forced (1: streaming, for K and r multiples of 8; 2: tiles), x V too."""
+    """Every update path, forced (1: streaming kernel, for K and r multiples of 8; 2: tiles kernel;
+    3: two cuBLAS GEMMs around the scaling kernel), x V too."""
     seed = stable_seed(M, K, N, r, kernel, str(dtype))
     x, _, _, V, c, U = operands(M, K, N, r, dtype, codes=r != 13, seed=seed)
     ref = update_ref64(x, V, c, U, 0.8)
@@ -134,6 +135,20 @@ def test_update_kernels_match_float64(kernel, dtype, M, K, N, r):
     err = rel_err(y, ref)
     assert err <= bound(torch_err, dtype), f"kernel {err:.3g} vs torch {torch_err:.3g}"
     assert rel_err(P, x.double() @ V.double()) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,L,r", [(1, 64, 8), (37, 129, 13), (2053, 1024, 64), (4096, 768, 128)])
+def test_projection_keeps_float32_sums(dtype, M, L, r):
+    """The backward's dY U (lowrank_project): float32 output, summed in float32, never rounded to the
+    operands' dtype (its error is that of float32 sums, far below one bf16 rounding)."""
+    g = torch.Generator(device="cuda").manual_seed(stable_seed(M, L, r, str(dtype)))
+    a = torch.randn(M, L, device="cuda", generator=g).to(dtype)
+    b = torch.randn(L, r, device="cuda", generator=g).to(dtype)
+    poison_allocator(a.device, M * r)
+    out = custom_ops.lowrank_project(a, b)
+    assert out.dtype == torch.float32 and out.shape == (M, r)
+    assert rel_err(out, a.double() @ b.double()) < 1e-5
 
 
 STREAM_SHAPES = [(1, 64, 40, 8), (75, 264, 77, 16), (1000, 520, 264, 24), (333, 1032, 1000, 32),
@@ -169,6 +184,20 @@ def test_streaming_update_inside_the_linear(mode, M, N, r):
     y, P = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, mode)
     assert rel_err(y, ref) <= bound(torch_err, torch.bfloat16)
     assert rel_err(P, x.double() @ V.double()) < 1e-2
+
+
+@pytest.mark.parametrize("mode", [2, 3])
+@pytest.mark.parametrize("M,N,r,codes", [(1100, 1000, 32, True), (2048, 517, 64, False), (1024, 264, 17, True)])
+def test_two_gemm_update_inside_the_linear(mode, M, N, r, codes):
+    """Prefill compositions where the update runs as two cuBLAS GEMMs (ranks above 16 from M = 1024):
+    bias added with the update (mode 3), accumulation into the GEMM output (mode 2), no codes."""
+    x, W, b, V, c, U = operands(M, 520, N, r, torch.bfloat16, codes=codes, seed=M + N + r + mode)
+    ref = linear_ref64(x, W, b, V, c, U, 1.5)
+    torch_err = rel_err(reference.bem_linear(x, W, b, V, c, U, 1.5), ref)
+    poison_allocator(x.device, M * N)
+    y, P = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, mode)
+    assert rel_err(y, ref) <= bound(torch_err, torch.bfloat16)
+    assert P.dtype == torch.float32 and rel_err(P, x.double() @ V.double()) < 1e-5
 
 
 def test_leading_dims_and_non_contiguous_input():

@@ -118,6 +118,7 @@ enum UpdateKernel : int64_t {
   kUpdateAuto = 0,
   kUpdateStream = 1,  // lowrank_stream.cu: 16-64 rows per block, A and B^T straight into registers
   kUpdateTiles = 2,   // lowrank_update.cu: 32 rows per block through shared memory (any K, any rank)
+  kUpdateGemms = 3,   // fp16/bf16: cuBLAS P = A B (fp32 out), scale_codes.cu, cuBLAS Y = (s P ⊙ codes) U^T
 };
 // Where the streaming kernel is the default: measured on an H200 (docs/kernels.md) it beat the tiles
 // kernel at ranks 8 to 32 once M >= 1024 (M = 16384, 4096 x 4096: 49-66% of copy against 39-47%). Above
@@ -126,9 +127,14 @@ enum UpdateKernel : int64_t {
 // against 1.24x).
 constexpr int64_t kStreamMinRows = 1024;
 constexpr int64_t kStreamSmallBlockMaxRank = 32;
+// Above rank 16 (from M = 1024 on) two cuBLAS GEMMs around a small scaling kernel measured faster than
+// either update kernel: on an H200 at M = 16384, 4096 x 4096, x V read x at 85-87% of the read rate and
+// P U^T wrote Y at 87-93% of the write rate, and the update took 90 us at r = 32 and 64, against 119
+// and 262 us for the streaming kernel (docs/kernels.md). At r = 8 the streaming kernel stays ahead.
+constexpr int64_t kGemmsMinRank = 17;
 
-// Too few 32-row groups to fill the GPU: the projection A B then goes to cuBLAS (rounded to A's dtype,
-// as plain PyTorch rounds it) and the tiles kernel only expands it.
+// Too few 32-row groups to fill the GPU: the projection A B then goes to cuBLAS (fp32 output) and the
+// tiles kernel only expands it.
 bool small_m(const Tensor& A) {
   return tensor_core_dtype(A) && (A.size(0) + 31) / 32 < num_sms(A.get_device());
 }
@@ -140,6 +146,36 @@ bool stream_takes(const LowRankArgs& args, bool tensor_core, int64_t kernel) {
   return kernel == kUpdateStream ||
          (args.M >= kStreamMinRows && args.expand &&
           (args.r <= kStreamSmallBlockMaxRank || lowrank_stream_tokens(args) >= 32));
+}
+
+// Whether the update runs as two cuBLAS GEMMs: asked for, or by shape (fp16/bf16 only).
+bool gemms_take(const LowRankArgs& args, bool tensor_core, int64_t kernel) {
+  if (!tensor_core || !args.expand) return false;
+  return kernel == kUpdateGemms ||
+         (kernel == kUpdateAuto && args.M >= kStreamMinRows && args.r >= kGemmsMinRank);
+}
+
+// A B with fp32 output: cuBLAS accumulates fp16/bf16 products in fp32 and keeps them unrounded.
+Tensor project_gemm(const Tensor& A, const Tensor& B) {
+  return tensor_core_dtype(A) ? at::mm(A, B, at::kFloat) : at::mm(A, B).to(p_dtype(A));
+}
+
+// Y (=|+=) s (P ⊙ codes) U^T (+ bias) with P = A B from cuBLAS; returns P.
+Tensor run_update_gemms(const Tensor& A, const Tensor& B, const OptTensor& codes, const Tensor& U, const Tensor* bias,
+                        Tensor& Y, double scale, bool accumulate) {
+  Tensor P = project_gemm(A, B);
+  Tensor Pc = at::empty(P.sizes(), A.options());
+  C10_CUDA_CHECK(launch_scale_codes(dtype_of(A), P.data_ptr<float>(), codes.has_value() ? codes->data_ptr() : nullptr,
+                                    Pc.data_ptr(), P.numel(), (float)scale, stream_now()));
+  const Tensor Ut = U.t();
+  if (accumulate) {
+    Y.addmm_(Pc, Ut);
+  } else if (bias != nullptr) {
+    at::addmm_out(Y, *bias, Pc, Ut);
+  } else {
+    at::mm_out(Y, Pc, Ut);
+  }
+  return P;
 }
 
 // Y (=|+=) s ((A B) ⊙ codes) U^T (+ bias); returns P = A B.
@@ -162,10 +198,14 @@ Tensor run_update(const Tensor& A, const Tensor& B, const OptTensor& codes, cons
   args.scale = scale;
   args.expand = Y != nullptr;
   args.accumulate = accumulate;
+  // The projection alone (the backward's dY U): cuBLAS read A at 85-99% of the read rate on an H200
+  // at M = 4096-16384, where the tiles kernel reached 20-60%.
+  if (!args.expand && tensor_core_dtype(A)) return project_gemm(A, B);
+  if (gemms_take(args, tensor_core_dtype(A), kernel)) return run_update_gemms(A, B, codes, *U, bias, *Y, scale, accumulate);
   const bool stream = stream_takes(args, tensor_core_dtype(A), kernel);
   // float32: cuBLAS's blocked sums are more accurate than the simple kernel's running sum.
   const bool given = !stream && (small_m(A) || A.scalar_type() == at::kFloat);
-  Tensor P = given ? at::mm(A, B).to(at::kFloat) : at::empty({M, r}, A.options().dtype(p_dtype(A)));
+  Tensor P = given ? project_gemm(A, B) : at::empty({M, r}, A.options().dtype(p_dtype(A)));
   if (M == 0 || (given && Y == nullptr)) return P;
   const Tensor Bt = stream ? B.t().contiguous() : Tensor();  // r x L: a small copy, rows of B^T are contiguous
   args.Bt = stream ? Bt.data_ptr() : nullptr;
@@ -181,7 +221,7 @@ Tensor run_update(const Tensor& A, const Tensor& B, const OptTensor& codes, cons
 
 std::tuple<Tensor, Tensor> update_forward(const Tensor& x, const Tensor& V, const OptTensor& codes, const Tensor& U,
                                           double scale, int64_t kernel, int64_t stream_tokens) {
-  BEM_CHECK(kernel >= kUpdateAuto && kernel <= kUpdateTiles, "unknown update kernel ", kernel);
+  BEM_CHECK(kernel >= kUpdateAuto && kernel <= kUpdateGemms, "unknown update kernel ", kernel);
   check_update_operands(x, V, codes, U);
   BEM_CHECK(stream_tokens == 0 || stream_tokens == 16 || stream_tokens == 32 || stream_tokens == 64,
             "stream_tokens must be 0 (chosen by shape), 16, 32 or 64, got ", stream_tokens);

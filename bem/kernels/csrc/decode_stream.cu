@@ -8,9 +8,10 @@
 // tensor-core operand (see the k-map note in common.cuh), and rows are read in long contiguous runs.
 // A block owns 128 rows of W over one slice of K; the CS blocks that share those rows form a
 // thread-block cluster. Since the update is linear in X V, each block adds its own share
-// s ((X V)_slice ⊙ c) U^T to its rows, and it does so first, while its first kStages - 1 chunks of W are
-// on their way: the update's loads and its short chain of barriers overlap the stream instead of
-// following it, and they leave the block's x in L1 for the stream's loop. After the stream and one
+// s ((X V)_slice ⊙ c) U^T to its rows, and it does so first: the first loads of its X V are requested
+// before any of W (so they do not queue behind the whole grid's W requests), then every slot of the
+// ring, and the update's mma and short chain of barriers run while W's chunks are on their way; they
+// also leave the block's x in L1 for the stream's loop. After the stream and one
 // cluster barrier, block q of the cluster sums the CS partial results for its 128/CS rows through
 // distributed shared memory in a fixed order (deterministic, no workspace, no counters), adds b and
 // writes Y.
@@ -32,7 +33,11 @@ constexpr int kRows = 128;    // rows of W per block: 16 per warp
 constexpr int kThreads = 256; // 8 warps
 constexpr int kWarps = kThreads / 32;
 constexpr int kChunk = 32;    // k per 16-byte load across the 4 threads of a row
-constexpr int kStages = 8;    // chunks of W in flight per thread (2 x 16 bytes each)
+// Chunks of W in flight per thread (2 x 16 bytes each). Five, not more: the ring's shared memory is
+// taken from L1, and the stream's loop reads x from L1 (16 tokens: 16 KB a block). On an H200, 8, 7,
+// 6 and 5 stages gave M = 16, 4096², r = 8: 1.30, 1.26, 1.24, 1.20x F.linear; M = 1: 1.14 -> 1.10x.
+constexpr int kStages = 5;
+constexpr int kEarlyChunks = 2;  // chunks of a warp's X V job whose operands are requested before W
 constexpr int kTokens = kDecodeStreamMaxTokens;
 constexpr int kRankSteps = kDecodeStreamMaxRank / 16;  // k16 steps of the update's mma
 constexpr int kYLd = kRows + 4;
@@ -116,42 +121,63 @@ __global__ void __launch_bounds__(kThreads, 3) decode_stream_kernel(DecodeArgs p
     if constexpr (NT == 2) xb = in && x_ok1 ? ld_cached16(x1 + k) : zero4();
   };
 
-  // ---- W starts streaming: the first kStages - 1 chunks of this thread's ring ----
+  // ---- The update's share: X V over this block's slice, tokens as the m16 rows, 8 ranks per n8 tile ----
+  // Each warp takes one job: a rank tile, over every kparts-th chunk while there are fewer tiles than
+  // warps. The operands of its first kEarlyChunks chunks are requested before W, so they do not queue
+  // behind it.
+  const int jtiles = (r + 7) / 8;
+  const int kparts = kWarps / jtiles;
+  const bool xv_warp = warp < jtiles * kparts;
+  const int jt = warp / kparts, kp = warp % kparts;
+  const int j = jt * 8 + g;
+  uint4 pa0[kEarlyChunks], pa1[kEarlyChunks];
+  T pv[kEarlyChunks][8];
+#pragma unroll
+  for (int i = 0; i < kEarlyChunks; ++i) {
+    const int q = kp + i * kparts;
+    const int k = k_begin + q * kChunk;
+    const bool in = xv_warp && q < nchunks && k + 8 * c < k_end;
+    pa0[i] = in && x_ok0 ? ld_cached16(x0 + k) : zero4();
+    pa1[i] = NT == 2 && in && x_ok1 ? ld_cached16(x1 + k) : zero4();  // NT == 1: M <= 8, no row g + 8
+    const T* vp = V + (size_t)(in ? k + 8 * c : 0) * r + j;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) pv[i][e] = in && j < r ? vp[(size_t)e * r] : from_acc<T>(0.f);
+  }
+
+  // ---- W starts streaming: every slot of this thread's ring ----
 #pragma unroll
   for (int q = 0; q < kStages - 1; ++q) {
     issue(q);
     cp_async_commit();
   }
 
-  // ---- The update's share, computed while those chunks are in flight ----
-  // U's fragments for this thread's rows (g, g + 8): loaded now, so their latency overlaps X V's.
+  // U's fragments for this thread's rows (g, g + 8), loaded now so their latency overlaps X V's.
   const T* u0 = U + (size_t)(w_ok0 ? row0 : 0) * r;
   const T* u1 = U + (size_t)(w_ok1 ? row0 + 8 : 0) * r;
   uint32_t ua[kRankSteps][4];
 #pragma unroll
   for (int s = 0; s < kRankSteps; ++s) {
-    const int j = 16 * s + 2 * c;  // ranks j, j + 1 and j + 8, j + 9: {row g lo, row g+8 lo, row g hi, row g+8 hi}
+    const int jj = 16 * s + 2 * c;  // ranks jj, jj + 1 and jj + 8, jj + 9: {row g lo, row g+8 lo, row g hi, row g+8 hi}
     const bool live = 16 * s < rp;
-    ua[s][0] = live ? u_pair(u0, w_ok0, j, r) : 0u;
-    ua[s][1] = live ? u_pair(u1, w_ok1, j, r) : 0u;
-    ua[s][2] = live ? u_pair(u0, w_ok0, j + 8, r) : 0u;
-    ua[s][3] = live ? u_pair(u1, w_ok1, j + 8, r) : 0u;
+    ua[s][0] = live ? u_pair(u0, w_ok0, jj, r) : 0u;
+    ua[s][1] = live ? u_pair(u1, w_ok1, jj, r) : 0u;
+    ua[s][2] = live ? u_pair(u0, w_ok0, jj + 8, r) : 0u;
+    ua[s][3] = live ? u_pair(u1, w_ok1, jj + 8, r) : 0u;
   }
 
-  // X V over this block's slice: tokens as the m16 rows, 8 ranks per n8 tile. Each warp takes one job:
-  // a rank tile, over every kparts-th chunk while there are fewer tiles than warps.
-  const int jtiles = (r + 7) / 8;
-  const int kparts = kWarps / jtiles;
-  if (warp < jtiles * kparts) {
-    const int jt = warp / kparts, kp = warp % kparts;
-    const int j = jt * 8 + g;
+  if (xv_warp) {
     float z[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < kEarlyChunks; ++i) {
+      mma_16816<T>(z, pa0[i].x, pa1[i].x, pa0[i].y, pa1[i].y, pack2(pv[i][0], pv[i][1]), pack2(pv[i][2], pv[i][3]));
+      mma_16816<T>(z, pa0[i].z, pa1[i].z, pa0[i].w, pa1[i].w, pack2(pv[i][4], pv[i][5]), pack2(pv[i][6], pv[i][7]));
+    }
 #pragma unroll 4
-    for (int q = kp; q < nchunks; q += kparts) {
+    for (int q = kp + kEarlyChunks * kparts; q < nchunks; q += kparts) {
       const int k = k_begin + q * kChunk;
       const bool in = k + 8 * c < k_end;
       const uint4 a0 = in && x_ok0 ? ld_cached16(x0 + k) : zero4();
-      const uint4 a1 = in && x_ok1 ? ld_cached16(x1 + k) : zero4();
+      const uint4 a1 = NT == 2 && in && x_ok1 ? ld_cached16(x1 + k) : zero4();
       T v[8];
       const T* vp = V + (size_t)(k + 8 * c) * r + j;
 #pragma unroll

@@ -41,6 +41,11 @@ struct LowRankArgs {
 };
 cudaError_t launch_lowrank_update(DType dtype, const LowRankArgs& args, cudaStream_t stream);
 
+// out = s * (P ⊙ codes) in fp16/bf16 (codes: count values of that dtype, or null for all ones); P is
+// fp32. The step between the two cuBLAS GEMMs of the update at prefill sizes above rank 16.
+cudaError_t launch_scale_codes(DType dtype, const float* P, const void* codes, void* out, int64_t count, float scale,
+                               cudaStream_t stream);
+
 // The streaming update kernel (fp16/bf16, prefill sizes): takes B^T in args.Bt (16-byte aligned), and
 // lowrank_stream_fits says whether the rest of the call suits it (L and r multiples of 8, r <=
 // kStreamMaxRank, A and U 16-byte aligned, no P_in, stream_tokens 0, 16, 32 or 64 (64 up to rank 32)).
