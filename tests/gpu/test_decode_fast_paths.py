@@ -162,3 +162,61 @@ def test_cuda_graph_captured_decode_with_a_static_cache_matches_the_full_forward
     error = (decoded - full[:, 8:16]).norm() / full[:, 8:16].norm()
     assert error < 5e-2, error
     assert torch.isfinite(decoded).all()
+
+
+@pytest.mark.skipif(not KERNELS_AVAILABLE, reason="needs the CUDA extension")
+@pytest.mark.parametrize("lead", [(1, 1), (16, 1), (2, 3, 5), (4, 300)])
+def test_linear_forward_takes_leading_dimensions(lead):
+    """(..., K) activations and (..., r) codes give exactly the rows' result, shaped (..., N)."""
+    from bem.kernels import custom_ops
+
+    g = torch.Generator(device="cuda").manual_seed(sum(lead))
+    make = lambda *shape: torch.randn(*shape, device="cuda", generator=g, dtype=torch.bfloat16)  # noqa: E731
+    K, N, r = 256, 200, 8
+    x, c = make(*lead, K), make(*lead, r)
+    W, b, V, U = make(N, K) / K**0.5, make(N), make(K, r) / K**0.5, make(N, r)
+    y, P = custom_ops._C.linear_forward(x, W, b, V, c, U, 0.5)
+    y_rows, P_rows = custom_ops._C.linear_forward(x.reshape(-1, K), W, b, V, c.reshape(-1, r), U, 0.5)
+    assert y.shape == (*lead, N) and P.shape == (x.numel() // K, r)
+    assert torch.equal(y.reshape(-1, N), y_rows) and torch.equal(P, P_rows)
+
+
+@pytest.mark.skipif(not KERNELS_AVAILABLE, reason="needs the CUDA extension")
+def test_linear_forward_refuses_leading_dimensions_it_cannot_take():
+    from bem.kernels import custom_ops
+
+    make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    W, V, U = make(16, 32), make(32, 8), make(16, 8)
+    with pytest.raises(ValueError, match="leading dimensions of x"):
+        custom_ops._C.linear_forward(make(2, 3, 32), W, None, V, make(3, 2, 8), U, 1.0)
+    with pytest.raises(ValueError, match="x must be contiguous"):
+        custom_ops._C.linear_forward(make(3, 2, 32).transpose(0, 1), W, None, V, None, U, 1.0)
+    with pytest.raises(ValueError, match="at least one leading dimension"):
+        custom_ops._C.linear_forward(make(32), W, None, V, None, U, 1.0)
+
+
+@pytest.mark.skipif(not KERNELS_AVAILABLE, reason="needs the CUDA extension")
+@pytest.mark.parametrize("case", ["strided weight", "strided V", "one-dimensional x", "strided x"])
+def test_inference_call_falls_back_for_what_the_kernels_refuse(case):
+    """Without autograd ops.bem_linear calls the extension directly; what it refuses goes through the
+    general path (a copy), with the same result as the reference."""
+    from bem.kernels import ops, reference
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    make = lambda *shape: torch.randn(*shape, device="cuda", generator=g, dtype=torch.bfloat16)  # noqa: E731
+    K, N, r = 64, 48, 8
+    x, c, W, b = make(2, 3, K), make(2, 3, r), make(N, K) / K**0.5, make(N)
+    V, U = make(K, r) / K**0.5, make(N, r)
+    if case == "strided weight":
+        W = make(N, 2 * K)[:, ::2] / K**0.5
+    elif case == "strided V":
+        V = make(K, 2 * r)[:, ::2] / K**0.5
+    elif case == "one-dimensional x":
+        x, c = x[0, 0], c[0, 0]
+    else:
+        x = make(3, 2, K).transpose(0, 1)
+    with torch.no_grad():
+        out = ops.bem_linear(x, W, b, V, c, U, 0.5)
+    ref = reference.bem_linear(*(t.double() for t in (x, W, b, V, c.reshape(*x.shape[:-1], r), U)), 0.5)
+    assert out.shape == (*x.shape[:-1], N)
+    assert (out.double() - ref).norm() / ref.norm() < 1e-2
