@@ -106,7 +106,8 @@ def test_decode_stream_kernel_matches_float64(dtype, split_k, M, K, N, r):
 
 def test_decode_dispatch_takes_unaligned_operands():
     """x or V starting 2 bytes past a 16-byte boundary: the streaming kernel's 16-byte loads of x cannot
-    read such an x, so the decode dispatch hands it to the tiles kernel; V it reads by elements. Every
+    read such an x, so the decode dispatch hands it to the tiles kernel; such a V it reads by elements
+    (an aligned V with r % 8 == 0 by rows, through the staging tile). Every
     combination gives the right result."""
     x, W, b, V, c, U = operands(3, 1024, 640, 16, torch.bfloat16, codes=True, seed=11)
     ref = linear_ref64(x, W, b, V, c, U, 1.0)

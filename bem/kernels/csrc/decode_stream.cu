@@ -57,6 +57,15 @@ __device__ __forceinline__ uint32_t u_pair(const T* u_row, bool row_ok, int j, i
   return pack2(row_ok && j < r ? u_row[j] : zero, row_ok && j + 1 < r ? u_row[j + 1] : zero);
 }
 
+// Four 8x8 16-bit tiles from shared memory, transposed: lanes 8i..8i+7 give the row addresses of tile i,
+// and thread (g, c) receives tile i's (row 2c, column g), (row 2c + 1, column g) as word i.
+__device__ __forceinline__ uint4 ldmatrix_x4_trans(unsigned address) {
+  uint4 v;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(address));
+  return v;
+}
+
 // The fixed-order sum over the cluster's CS blocks of buf[i] in each block's shared memory; every remote
 // read is issued before the first add, so their latencies overlap.
 __device__ __forceinline__ float cluster_sum(cg::cluster_group& cluster, float* buf, int i, int cs) {
@@ -130,8 +139,25 @@ __global__ void __launch_bounds__(kThreads, 3) decode_stream_kernel(DecodeArgs p
   const bool xv_warp = warp < jtiles * kparts;
   const int jt = warp / kparts, kp = warp % kparts;
   const int j = jt * 8 + g;
-  uint4 pa0[kEarlyChunks], pa1[kEarlyChunks];
-  T pv[kEarlyChunks][8];
+  // V is K x r, rank-contiguous, while an mma B operand holds pairs along k: thread (g, c) needs V's
+  // k = 8c..8c+7 (its x fragment's k) at rank j. Where V's rows are 16-byte aligned (r % 8 == 0), each
+  // lane loads one k-row of the warp's 8-rank tile in one 16-byte load and a per-warp staging tile with
+  // ldmatrix.trans hands out the operands; otherwise each thread loads its 8 values one by one.
+  const bool v_rows = r % 8 == 0 && (reinterpret_cast<uintptr_t>(V) & 15) == 0;
+  auto load_v = [&](int q, bool live) -> uint4 {  // one chunk's V: the staged row, or the 4 operand words
+    const int k = k_begin + q * kChunk;
+    if (v_rows) {
+      const bool in = live && q < nchunks && k + lane < k_end;
+      return in ? ld_cached16(V + (size_t)(k + lane) * r + 8 * jt) : zero4();
+    }
+    const bool in = live && q < nchunks && k + 8 * c < k_end && j < r;
+    const T* vp = V + (in ? (size_t)(k + 8 * c) * r + j : 0);
+    T v[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = in ? vp[(size_t)e * r] : from_acc<T>(0.f);
+    return make_uint4(pack2(v[0], v[1]), pack2(v[2], v[3]), pack2(v[4], v[5]), pack2(v[6], v[7]));
+  };
+  uint4 pa0[kEarlyChunks], pa1[kEarlyChunks], pv[kEarlyChunks];
 #pragma unroll
   for (int i = 0; i < kEarlyChunks; ++i) {
     const int q = kp + i * kparts;
@@ -139,9 +165,7 @@ __global__ void __launch_bounds__(kThreads, 3) decode_stream_kernel(DecodeArgs p
     const bool in = xv_warp && q < nchunks && k + 8 * c < k_end;
     pa0[i] = in && x_ok0 ? ld_cached16(x0 + k) : zero4();
     pa1[i] = NT == 2 && in && x_ok1 ? ld_cached16(x1 + k) : zero4();  // NT == 1: M <= 8, no row g + 8
-    const T* vp = V + (size_t)(in ? k + 8 * c : 0) * r + j;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) pv[i][e] = in && j < r ? vp[(size_t)e * r] : from_acc<T>(0.f);
+    pv[i] = load_v(q, xv_warp);
   }
 
   // ---- W starts streaming: every slot of this thread's ring ----
@@ -166,24 +190,32 @@ __global__ void __launch_bounds__(kThreads, 3) decode_stream_kernel(DecodeArgs p
   }
 
   if (xv_warp) {
+    // The staging tile is this warp's slice of zpart (512 bytes), free until the warp's results go there.
+    // Lane L = 8c + 2t + u holds k-row L and stores it at row 8t + 2c + u, so that ldmatrix.trans gives
+    // thread (g, c) the k pairs (8c + 2t, 8c + 2t + 1) of rank g as word t.
+    unsigned char* stage = smem + kZpartOffset + warp * (kTokens * 8 * 4);
+    const unsigned stage_address = static_cast<unsigned>(__cvta_generic_to_shared(stage)) + 16 * lane;
+    uint4* stage_row = reinterpret_cast<uint4*>(stage) + 8 * ((lane % 8) / 2) + 2 * (lane / 8) + lane % 2;
     float z[4] = {0.f, 0.f, 0.f, 0.f};
+    auto xv_mma = [&](const uint4& a0, const uint4& a1, uint4 vw) {
+      if (v_rows) {  // uniform over the block
+        *stage_row = vw;
+        __syncwarp();
+        vw = ldmatrix_x4_trans(stage_address);
+        __syncwarp();  // every lane has its operands before the next chunk overwrites the tile
+      }
+      mma_16816<T>(z, a0.x, a1.x, a0.y, a1.y, vw.x, vw.y);
+      mma_16816<T>(z, a0.z, a1.z, a0.w, a1.w, vw.z, vw.w);
+    };
 #pragma unroll
-    for (int i = 0; i < kEarlyChunks; ++i) {
-      mma_16816<T>(z, pa0[i].x, pa1[i].x, pa0[i].y, pa1[i].y, pack2(pv[i][0], pv[i][1]), pack2(pv[i][2], pv[i][3]));
-      mma_16816<T>(z, pa0[i].z, pa1[i].z, pa0[i].w, pa1[i].w, pack2(pv[i][4], pv[i][5]), pack2(pv[i][6], pv[i][7]));
-    }
+    for (int i = 0; i < kEarlyChunks; ++i) xv_mma(pa0[i], pa1[i], pv[i]);
 #pragma unroll 4
     for (int q = kp + kEarlyChunks * kparts; q < nchunks; q += kparts) {
       const int k = k_begin + q * kChunk;
       const bool in = k + 8 * c < k_end;
       const uint4 a0 = in && x_ok0 ? ld_cached16(x0 + k) : zero4();
       const uint4 a1 = NT == 2 && in && x_ok1 ? ld_cached16(x1 + k) : zero4();
-      T v[8];
-      const T* vp = V + (size_t)(k + 8 * c) * r + j;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) v[e] = in && j < r ? vp[(size_t)e * r] : from_acc<T>(0.f);
-      mma_16816<T>(z, a0.x, a1.x, a0.y, a1.y, pack2(v[0], v[1]), pack2(v[2], v[3]));
-      mma_16816<T>(z, a0.z, a1.z, a0.w, a1.w, pack2(v[4], v[5]), pack2(v[6], v[7]));
+      xv_mma(a0, a1, load_v(q, true));
     }
     // z: tokens (g, g+8) x ranks (2c, 2c+1) of this tile.
     float* zp = zpart + warp * (kTokens * 8);
