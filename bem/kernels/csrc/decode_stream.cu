@@ -9,9 +9,9 @@
 // A block owns 128 rows of W over one slice of K; the CS blocks that share those rows form a
 // thread-block cluster. Since the update is linear in X V, each block adds its own share
 // s ((X V)_slice ⊙ c) U^T to its rows, and it does so first: the first loads of its X V are requested
-// before any of W (so they do not queue behind the whole grid's W requests), then every slot of the
-// ring, and the update's mma and short chain of barriers run while W's chunks are on their way; they
-// also leave the block's x in L1 for the stream's loop. After the stream and one
+// before any of W (so they do not queue behind the whole grid's W requests), then the ring's first
+// kStages - 1 chunks, and the update's mma and short chain of barriers run while those are on their
+// way; they also leave the block's x in L1 for the stream's loop. After the stream and one
 // cluster barrier, block q of the cluster sums the CS partial results for its 128/CS rows through
 // distributed shared memory in a fixed order (deterministic, no workspace, no counters), adds b and
 // writes Y.
@@ -168,7 +168,7 @@ __global__ void __launch_bounds__(kThreads, 3) decode_stream_kernel(DecodeArgs p
     pv[i] = load_v(q, xv_warp);
   }
 
-  // ---- W starts streaming: every slot of this thread's ring ----
+  // ---- W starts streaming: the first kStages - 1 chunks of this thread's ring ----
 #pragma unroll
   for (int q = 0; q < kStages - 1; ++q) {
     issue(q);
