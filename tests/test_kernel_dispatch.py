@@ -91,6 +91,44 @@ def test_dispatch_reasons_for_cases_the_kernels_do_not_take(monkeypatch):
     assert xm.device.type == "meta" and "meta" in ops.fused_unavailable_reason(xm, meta(V))
 
 
+class _StubExtension:
+    """Stands in for bem._C: records the direct inference calls, answers or refuses them as told."""
+
+    def __init__(self, refuse: bool):
+        self.refuse, self.calls = refuse, []
+
+    def linear_forward(self, x, weight, bias, V, codes, U, scaling, need_p=True):
+        self.calls.append((x.shape, None if codes is None else codes.shape, need_p))
+        if self.refuse:
+            raise ValueError("bem: an operand the stub does not take")
+        return torch.full((*x.shape[:-1], U.shape[0]), 7.0, dtype=x.dtype), None
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_inference_calls_the_extension_with_leading_dims_and_falls_back_when_refused(monkeypatch, refuse):
+    """Without autograd the fused linear goes straight to the extension with (..., K) activations as they
+    are; a ValueError from it (an operand it does not take) sends the call down the general path."""
+    from bem.kernels import custom_ops
+
+    stub = _StubExtension(refuse)
+    monkeypatch.setattr(custom_ops, "_C", stub)
+    monkeypatch.setattr(ops, "_inference_call", lambda x, V: True)  # CPU tensors stand in for CUDA ones
+    x, W, b, V, c, U = _operands()
+    with torch.no_grad():
+        out = ops.bem_linear(x, W, b, V, c, U, 0.5)
+    assert stub.calls == [((2, 3, 16), (2, 3, 4), False)]
+    if refuse:  # the general path: on the CPU, the reference
+        assert torch.equal(out, reference.bem_linear(x, W, b, V, c, U, 0.5))
+    else:
+        assert out.shape == (2, 3, 8) and bool((out == 7.0).all())
+
+
+def test_no_direct_inference_call_on_the_cpu():
+    x, _, _, V, _, _ = _operands(dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert not ops._inference_call(x, V)
+
+
 def test_fake_implementations_give_shapes_and_dtypes():
     from bem.kernels import custom_ops  # noqa: F401 - registers the ops
 
