@@ -2,7 +2,8 @@
 
 The extension is built when torch with CUDA and a CUDA toolkit are importable at build time (e.g.
 `pip install --no-build-isolation -e .`); `BEM_BUILD_CUDA=1` requires it, `BEM_BUILD_CUDA=0` skips it.
-Architectures come from `TORCH_CUDA_ARCH_LIST` (default here: 8.0 and 9.0). Without the extension the
+Architectures come from `TORCH_CUDA_ARCH_LIST` (default here: 8.0 and 9.0a; the fused prefill GEMM
+needs 9.0a, the arch-specific Hopper target, and is skipped by builds without it). Without the extension the
 package is pure Python and `bem.kernels` builds it just in time on a CUDA machine, or uses the reference.
 """
 
@@ -10,10 +11,13 @@ import os
 
 from setuptools import find_packages, setup
 
-KERNEL_SOURCES = [
-    "bindings.cpp", "lowrank_update.cu", "decode_linear.cu", "decode_stream.cu", "lowrank_stream.cu",
-    "scale_codes.cu",
-]
+CSRC = os.path.join("bem", "kernels", "csrc")
+
+
+def kernel_sources() -> list:
+    """Every .cpp and .cu file in the extension's source folder (the just-in-time build takes the same)."""
+    names = sorted(name for name in os.listdir(CSRC) if name.endswith((".cpp", ".cu")))
+    return [os.path.join(CSRC, name) for name in names]
 
 
 def _use_system_compiler() -> None:
@@ -44,12 +48,11 @@ def cuda_extension() -> dict:
         if wanted == "1":
             raise RuntimeError("BEM_BUILD_CUDA=1 but torch has no CUDA or no CUDA toolkit (nvcc) was found")
         return {}
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
     _use_system_compiler()
-    csrc = os.path.join("bem", "kernels", "csrc")
     extension = CUDAExtension(
         name="bem._C",
-        sources=[os.path.join(csrc, name) for name in KERNEL_SOURCES],
+        sources=kernel_sources(),
         extra_compile_args={
             "cxx": ["-O3", "-std=c++17"],
             "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"],

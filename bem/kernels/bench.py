@@ -118,9 +118,11 @@ def _forward_variants(sets: list[dict], s: float, M: int) -> dict[str, Callable[
             pick(i)["U"].detach(), s),
     }
     modes = {1: "fused decode (stream)", 5: "fused decode (tiles)", 2: "fused gemm+update",
-             3: "fused update+gemm", 4: "fused gemm+addmm"}
+             3: "fused update+gemm", 4: "fused gemm+addmm", 6: "fused update in gemm"}
     for mode, name in modes.items():
         if mode in (1, 5) and M > custom_ops.decode_max_tokens():
+            continue
+        if mode == 6 and (M <= custom_ops.decode_max_tokens() or not custom_ops._C.fused_gemm_available()):
             continue
         variants[name] = (lambda mode: lambda i: custom_ops._C.linear_forward(
             pick(i)["x"], pick(i)["W"], pick(i)["b"], pick(i)["V"].detach(), pick(i)["c"].detach(),
@@ -257,9 +259,9 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.json, "w") as f:
             json.dump({"device": props.name, "ceilings": ceil, "results": results}, f, indent=1)
     print("\nSummary (ratios to F.linear; update alone as % of copy bandwidth: default, PyTorch, streaming "
-          "kernel, tiles kernel, two cuBLAS GEMMs)")
+          "kernel, tiles kernel, two cuBLAS GEMMs; in gemm: the forward as one GEMM with the update inside)")
     print(f"{'M':>6}{'K':>6}{'N':>6}{'r':>4}{'PEFT':>7}{'ref':>7}{'fused':>7}{'fb ref':>8}{'fb fused':>9}"
-          f"{'upd %cp':>9}{'torch':>7}{'stream':>8}{'t16':>6}{'t32':>6}{'t64':>6}{'tiles':>7}{'gemms':>7}")
+          f"{'upd %cp':>9}{'torch':>7}{'stream':>8}{'t16':>6}{'t32':>6}{'t64':>6}{'tiles':>7}{'gemms':>7}{'in gemm':>9}")
     for res in results:
         shp, fwd, fb = res["shape"], res["forward_ms"], res["forward_backward_ms"]
         pct = res["update_pct_copy"]
@@ -270,7 +272,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{pct['update stream kernel']:>8.1f}"
               + "".join(f"{pct[f'update stream t{t}']:>6.1f}" if f"update stream t{t}" in pct else f"{'-':>6}"
                         for t in (16, 32, 64))
-              + f"{pct['update tiles kernel']:>7.1f}{pct['update two GEMMs']:>7.1f}")
+              + f"{pct['update tiles kernel']:>7.1f}{pct['update two GEMMs']:>7.1f}"
+              + (f"{fwd['fused update in gemm'] / fwd['F.linear']:>9.2f}" if "fused update in gemm" in fwd else f"{'-':>9}"))
     print(header)
 
 

@@ -15,17 +15,27 @@ from typing import Optional
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [
-    "bindings.cpp", "lowrank_update.cu", "decode_linear.cu", "decode_stream.cu", "lowrank_stream.cu",
-    "scale_codes.cu",
-]
+# Every .cpp and .cu file of csrc/, as setup.py builds them.
+SOURCES = sorted(path.name for path in CSRC.iterdir() if path.suffix in (".cpp", ".cu"))
 NVCC_FLAGS = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]
 CXX_FLAGS = ["-O3", "-std=c++17"]
+
+
+def _jit_arch_list() -> Optional[str]:
+    """The architectures of a just-in-time build when TORCH_CUDA_ARCH_LIST is unset: the GPU's own, with
+    the arch-specific 9.0a on Hopper (the fused prefill GEMM uses sm_90a instructions)."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return "9.0a" if (major, minor) == (9, 0) else f"{major}.{minor}"
 
 
 def _jit_build() -> ModuleType:
     from torch.utils.cpp_extension import load
 
+    arch_list = _jit_arch_list()
+    if arch_list is not None:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
     return load(
         name="bem_C_jit",
         sources=[str(CSRC / name) for name in SOURCES],

@@ -86,3 +86,16 @@ def test_kernel_choice_arguments_are_checked():
     if torch.cuda.get_device_capability()[0] >= 9:  # the streaming decode kernel runs on Hopper
         with pytest.raises(ValueError, match="1, 2, 4 or 8 blocks, got split_k = 3"):
             custom_ops._C.linear_forward(x, W, None, V, None, U, 1.0, 1, 3)
+
+
+@pytest.mark.skipif(not ops.KERNELS_AVAILABLE or not custom_ops._C.fused_gemm_available(),
+                    reason="the GEMM with the update inside needs a compute capability 9.0 GPU and an sm_90a build")
+def test_gemm_with_the_update_inside_rejects_what_it_cannot_take():
+    x = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16)
+    W = torch.randn(40, 64, device="cuda", dtype=torch.bfloat16)
+    V, U = torch.randn(64, 12, device="cuda", dtype=torch.bfloat16), torch.randn(40, 12, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="the fused GEMM takes a row-major weight, K, N and the rank multiples of 8"):
+        custom_ops._C.linear_forward(x, W, None, V, None, U, 1.0, 6)
+    V8, U8 = V[:, :8].contiguous(), U[:, :8].contiguous()
+    with pytest.raises(ValueError, match="rank 8"):  # a transposed weight
+        custom_ops._C.linear_forward(x, W.t().contiguous().t(), None, V8, None, U8, 1.0, 6)

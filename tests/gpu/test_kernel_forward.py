@@ -218,3 +218,46 @@ def test_autocast_runs_the_kernel_in_the_autocast_dtype():
     assert out.dtype == torch.bfloat16
     ref = update_ref64(x, V, c, U, 1.0)
     assert rel_err(out, ref) < 2e-2
+
+
+fused_gemm = pytest.mark.skipif(
+    not ops.KERNELS_AVAILABLE or not custom_ops._C.fused_gemm_available(),
+    reason="the GEMM with the update inside needs a compute capability 9.0 GPU and an sm_90a build",
+)
+
+
+@fused_gemm
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "M,K,N,r,codes,bias",
+    [(1, 8, 8, 8, False, False), (129, 64, 136, 16, True, False), (1000, 776, 904, 8, True, True),
+     (777, 768, 768, 64, False, True), (300, 2056, 1032, 40, True, True), (5000, 768, 776, 24, True, True),
+     (6000, 3072, 768, 32, True, True)],
+)
+def test_gemm_with_the_update_inside_matches_float64(dtype, M, K, N, r, codes, bias):
+    """Linear mode 6: odd M, N not a multiple of 256, K not a multiple of 64, ranks padded to 8..64,
+    with and without codes and bias, several tiles per block (M = 5000 and 6000); P comes out too."""
+    x, W, b, V, c, U = operands(M, K, N, r, dtype, codes=codes, seed=stable_seed(M, K, N, r, str(dtype)))
+    b = b if bias else None
+    ref = linear_ref64(x, W, b, V, c, U, 1.5)
+    torch_err = rel_err(reference.bem_linear(x, W, b, V, c, U, 1.5), ref)
+    poison_allocator(x.device, M * N + M * r)
+    y, P = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 6)
+    assert rel_err(y, ref) <= bound(torch_err, dtype)
+    assert P.dtype == torch.float32 and rel_err(P, x.double() @ V.double()) < 1e-5
+    y2, P2 = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 6, 0, False)
+    assert P2 is None and torch.equal(y, y2)
+
+
+@fused_gemm
+def test_gemm_with_the_update_inside_is_the_default_where_it_measured_faster():
+    """768 x 768 with enough rows for its tiles to fill the GPU: the default dispatch is linear mode 6
+    (bit-equal); with 1024 rows (24 tiles) it is not."""
+    for M, expected in ((128 * torch.cuda.get_device_properties(0).multi_processor_count // 3 + 129, True),
+                        (1024, False)):
+        x, W, b, V, c, U = operands(M, 768, 768, 16, torch.bfloat16, codes=True, seed=7)
+        auto, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 0)
+        fused, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 6)
+        other, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 3)
+        assert not torch.equal(fused, other)
+        assert torch.equal(auto, fused if expected else other), f"M = {M}"

@@ -34,6 +34,7 @@ enum LinearMode : int64_t {
   kUpdateThenGemm = 3,   // update kernel writes update + b, then cuBLAS adds x W^T (beta = 1)
   kGemmThenAddmm = 4,    // update kernel computes only X V; cuBLAS adds (s X V ⊙ c) U^T (beta = 1)
   kDecodeTiles = 5,      // the tiled split-K decode kernel (M <= 64, any layout, sm_80+)
+  kGemmUpdate = 6,       // one tensor-core GEMM with the update inside (gemm_update.cu)
 };
 // Chosen by measurement at prefill sizes (docs/kernels.md).
 constexpr LinearMode kPrefillMode = kUpdateThenGemm;
@@ -181,6 +182,9 @@ Tensor run_update_gemms(const Tensor& A, const Tensor& B, const OptTensor& codes
 // Y (=|+=) s ((A B) ⊙ codes) U^T (+ bias); returns P = A B.
 Tensor run_update(const Tensor& A, const Tensor& B, const OptTensor& codes, const Tensor* U, const Tensor* bias,
                   Tensor* Y, double scale, bool accumulate, int64_t kernel = kUpdateAuto, int64_t stream_tokens = 0) {
+  // The projection alone (the backward's dY U): on an H200 cuBLAS read A at 85-100% of the read rate at
+  // M = 16384, where the tiles kernel reached 20-51%, and was 1.2-3.6x faster at M = 4096 and K = 768.
+  if (Y == nullptr && tensor_core_dtype(A)) return project_gemm(A, B);
   const int64_t M = A.size(0), r = B.size(1);
   LowRankArgs args{};
   args.A = A.data_ptr();
@@ -198,9 +202,6 @@ Tensor run_update(const Tensor& A, const Tensor& B, const OptTensor& codes, cons
   args.scale = scale;
   args.expand = Y != nullptr;
   args.accumulate = accumulate;
-  // The projection alone (the backward's dY U): on an H200 cuBLAS read A at 85-100% of the read rate at
-  // M = 16384, where the tiles kernel reached 20-51%, and was 1.2-3.6x faster at M = 4096 and K = 768.
-  if (!args.expand && tensor_core_dtype(A)) return project_gemm(A, B);
   if (gemms_take(args, tensor_core_dtype(A), kernel))
     return run_update_gemms(A, B, codes, *U, bias, *Y, scale, accumulate);
   const bool stream = stream_takes(args, tensor_core_dtype(A), kernel);
@@ -265,6 +266,51 @@ Tensor base_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias)
   return bias.has_value() ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t());
 }
 
+// Where the GEMM with the update inside measured faster than cuBLAS with a separate update (linear mode
+// 3), on an H200 (docs/kernels.md), x F.linear: K x N up to 2048 x 2048 at r <= 32 (768², M = 16384:
+// 1.29-1.32x against 1.68-1.84x; 3072 x 768: 1.16-1.22x against 1.32-1.38x; 2048², M = 4096: 1.21-1.25x
+// against 1.33x), and at r = 64 up to 768 x 768 (1.54x against 1.84x), once there are at least half as
+// many 128 x 256 tiles as multiprocessors (768² at M = 1024, 24 tiles: 2.61x against 2.25x). From 4096²
+// on cuBLAS's own GEMM outruns the kernel's main loop (1.14-1.33x against 1.11-1.15x at M >= 4096).
+constexpr int64_t kGemmUpdateMaxKN = 2048 * 2048;
+constexpr int64_t kGemmUpdateWideRank = 32;             // above it, the P tiles cost more
+constexpr int64_t kGemmUpdateWideRankMaxKN = 768 * 768;
+
+bool gemm_update_suits(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& V,
+                       const Tensor& U) {
+  const int64_t M = x.size(0), K = x.size(1), N = U.size(0), r = V.size(1);
+  const int64_t max_kn = r <= kGemmUpdateWideRank ? kGemmUpdateMaxKN : kGemmUpdateWideRankMaxKN;
+  if (!tensor_core_dtype(x) || K * N > max_kn || K % 8 != 0 || N % 8 != 0 || r % 8 != 0 ||
+      r > kGemmUpdateMaxRank || !weight.is_contiguous() || !aligned16(x.data_ptr()) ||
+      !aligned16(weight.data_ptr()) || !aligned16(U.data_ptr()) ||
+      (bias.has_value() && reinterpret_cast<uintptr_t>(bias->data_ptr()) % 4 != 0) ||
+      2 * gemm_update_tiles((int)M, (int)N) < num_sms(x.get_device()))
+    return false;
+  bool supported = false;
+  C10_CUDA_CHECK(gemm_update_supported(x.get_device(), stream_now(), &supported));
+  return supported;
+}
+
+GemmUpdateArgs gemm_update_args(const Tensor& x, const Tensor& weight, const Tensor* bias, const Tensor& Vt,
+                                const OptTensor& codes, const Tensor& U, Tensor& Y, Tensor& P, double scale) {
+  GemmUpdateArgs args{};
+  args.X = x.data_ptr();
+  args.W = weight.data_ptr();
+  args.bias = bias ? bias->data_ptr() : nullptr;
+  args.Vt = Vt.data_ptr();
+  args.codes = codes.has_value() ? codes->data_ptr() : nullptr;
+  args.U = U.data_ptr();
+  args.Y = Y.data_ptr();
+  args.P = P.defined() ? P.data_ptr<float>() : nullptr;
+  args.M = (int)x.size(0);
+  args.N = (int)U.size(0);
+  args.K = (int)x.size(1);
+  args.r = (int)Vt.size(0);
+  args.num_sms = num_sms(x.get_device());
+  args.scale = (float)scale;
+  return args;
+}
+
 std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& V,
                                        const OptTensor& codes, const Tensor& U, double scale, int64_t mode,
                                        int64_t split_k, bool need_p) {
@@ -274,8 +320,8 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
   const int64_t M = x.size(0), N = U.size(0), K = x.size(1), r = V.size(1);
   const bool fits_decode = tensor_core_dtype(x) && M >= 1 && M <= kDecodeMaxTokens &&
                            (N + kDecodeTileN - 1) / kDecodeTileN <= kMaxDecodeTiles;
-  if (mode == kAuto) mode = fits_decode ? kDecode : kPrefillMode;
-  BEM_CHECK(mode >= kDecode && mode <= kDecodeTiles, "unknown linear mode ", mode);
+  if (mode == kAuto) mode = fits_decode ? kDecode : gemm_update_suits(x, weight, bias, V, U) ? kGemmUpdate : kPrefillMode;
+  BEM_CHECK(mode >= kDecode && mode <= kGemmUpdate, "unknown linear mode ", mode);
   if (!tensor_core_dtype(x) || M == 0) mode = kGemmThenUpdate;  // float/double: cuBLAS + simple kernels
   const Tensor* bias_ptr = bias.has_value() ? &*bias : nullptr;
 
@@ -317,6 +363,22 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
     args.split_k = split;
     args.k_per_split = decode_k_per_split((int)K, split);
     C10_CUDA_CHECK(launch_decode_linear(dtype_of(x), args, stream_now()));
+    return {Y, P};
+  }
+  if (mode == kGemmUpdate) {
+    bool supported = false;
+    C10_CUDA_CHECK(gemm_update_supported(x.get_device(), stream_now(), &supported));
+    BEM_CHECK(supported, "the fused GEMM needs a compute capability 9.0 GPU and the extension built for sm_90a ",
+              "(TORCH_CUDA_ARCH_LIST=9.0a)");
+    Tensor Y = at::empty({M, N}, x.options());
+    Tensor P = need_p ? at::empty({M, r}, x.options().dtype(at::kFloat)) : Tensor();
+    const Tensor Vt = V.t().contiguous();  // r x K: K-major, like x and the weight
+    const GemmUpdateArgs args = gemm_update_args(x, weight, bias_ptr, Vt, codes, U, Y, P, scale);
+    BEM_CHECK(weight.is_contiguous() && gemm_update_fits(args),
+              "the fused GEMM takes a row-major weight, K, N and the rank multiples of 8, rank up to ",
+              kGemmUpdateMaxRank, " and 16-byte aligned x, weight and U; got x ", x.sizes(), ", weight ",
+              weight.sizes(), " strides ", weight.strides(), ", rank ", r);
+    C10_CUDA_CHECK(launch_gemm_update(dtype_of(x), args, stream_now()));
     return {Y, P};
   }
   if (mode == kGemmThenUpdate) {
@@ -363,6 +425,15 @@ std::tuple<Tensor, Tensor> linear_forward(const Tensor& x, const Tensor& weight,
   return {Y.view(shape), P};
 }
 
+// Whether this build and the current device run the GEMM with the update inside (linear mode 6).
+bool fused_gemm_available() {
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  bool supported = false;
+  C10_CUDA_CHECK(gemm_update_supported(device, stream_now(), &supported));
+  return supported;
+}
+
 }  // namespace
 }  // namespace bem
 
@@ -375,6 +446,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_forward", &bem::linear_forward, "(Y, P) = (x W^T + b + s ((x V) ⊙ codes) U^T, x V)",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("V"), py::arg("codes"), py::arg("U"),
         py::arg("scaling"), py::arg("mode") = 0, py::arg("split_k") = 0, py::arg("need_p") = true);
+  m.def("fused_gemm_available", &bem::fused_gemm_available,
+        "whether the GEMM with the update inside (linear mode 6, sm_90a) runs on the current device");
   m.attr("DECODE_MAX_TOKENS") = bem::kDecodeMaxTokens;
   m.attr("MAX_FUSED_RANK") = bem::kMaxFusedRank;
 }

@@ -126,6 +126,31 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a
   }
 }
 
+// 8x8 16-bit tiles from shared memory: lanes 8i..8i+7 give the row addresses of tile i, and thread
+// (g, c) receives as word i tile i's (row g, columns 2c, 2c + 1), or with .trans its (rows 2c, 2c + 1,
+// column g). Two tiles: lanes 0-15 give the addresses (the others' are ignored but must be valid).
+__device__ __forceinline__ uint4 ldmatrix_x4(unsigned address) {
+  uint4 v;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(address));
+  return v;
+}
+__device__ __forceinline__ uint4 ldmatrix_x4_trans(unsigned address) {
+  uint4 v;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(address));
+  return v;
+}
+__device__ __forceinline__ uint2 ldmatrix_x2_trans(unsigned address) {
+  uint2 v;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(v.x), "=r"(v.y) : "r"(address));
+  return v;
+}
+__device__ __forceinline__ unsigned smem_address(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
 // Two 16-bit values as one mma operand word (lo in the low half).
 template <typename T> __device__ __forceinline__ uint32_t pack2(T lo, T hi) {
   uint16_t l, h;

@@ -57,15 +57,6 @@ __device__ __forceinline__ uint32_t u_pair(const T* u_row, bool row_ok, int j, i
   return pack2(row_ok && j < r ? u_row[j] : zero, row_ok && j + 1 < r ? u_row[j + 1] : zero);
 }
 
-// Four 8x8 16-bit tiles from shared memory, transposed: lanes 8i..8i+7 give the row addresses of tile i,
-// and thread (g, c) receives tile i's (row 2c, column g), (row 2c + 1, column g) as word i.
-__device__ __forceinline__ uint4 ldmatrix_x4_trans(unsigned address) {
-  uint4 v;
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(address));
-  return v;
-}
-
 // The fixed-order sum over the cluster's CS blocks of buf[i] in each block's shared memory; every remote
 // read is issued before the first add, so their latencies overlap.
 __device__ __forceinline__ float cluster_sum(cg::cluster_group& cluster, float* buf, int i, int cs) {

@@ -92,4 +92,27 @@ bool decode_stream_fits(const DecodeArgs& args, int cc_major);
 int decode_stream_split(int N, int K, int device);
 cudaError_t launch_decode_stream(DType dtype, const DecodeArgs& args, cudaStream_t stream);
 
+// Y = X W^T + b + s * ((X V) ⊙ codes) U^T as one Hopper GEMM with the update inside (fp16/bf16, W
+// row-major N x K, Vt = V^T row-major r x K): gemm_update_fits says whether it takes the call (K, N and
+// r multiples of 8, r <= kGemmUpdateMaxRank, X, W, Vt, U and Y 16-byte aligned, bias 4-byte aligned), gemm_update_supported
+// whether the build has its sm_90a code for the device. P (M x r fp32) is written when not null.
+struct GemmUpdateArgs {
+  const void* X;
+  const void* W;
+  const void* bias;
+  const void* Vt;
+  const void* codes;
+  const void* U;
+  void* Y;
+  float* P;
+  int M, N, K, r;
+  int num_sms;  // the persistent kernel's grid
+  float scale;
+};
+constexpr int kGemmUpdateMaxRank = 64;
+bool gemm_update_fits(const GemmUpdateArgs& args);
+long long gemm_update_tiles(int M, int N);  // the kernel's output tiles
+cudaError_t gemm_update_supported(int device, cudaStream_t stream, bool* supported);
+cudaError_t launch_gemm_update(DType dtype, const GemmUpdateArgs& args, cudaStream_t stream);
+
 }  // namespace bem

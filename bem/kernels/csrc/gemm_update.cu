@@ -1,0 +1,332 @@
+// Y = X W^T + b + s ((X V) ⊙ codes) U^T as one Hopper GEMM with the update inside (fp16/bf16, sm_90a).
+//
+// Where K x N is small (768 x 768: about 35 us for cuBLAS at M = 16384 on an H200) a separate update
+// pass costs more than half of the GEMM, most of it in reading and writing Y a second time. Here each
+// 128 x 256 tile of Y accumulates X W^T over K on the warpgroup tensor cores (wgmma, operands brought
+// into shared memory by TMA); the same X tiles also multiply V^T, so P = X V for
+// the tile's rows comes out of the loop too. After the loop the tile adds (s P ⊙ codes) U^T, with
+// P ⊙ codes as register operands, and writes Y once. P is recomputed by each of a row's N / 256 column
+// tiles: r / 256 more work per step, cheap while r and N are small.
+// The copies run ahead of the tensor cores by up to 4 stages (3 at r > 32): the producer waits for
+// a stage's "empty" barrier and starts its TMA copies, which signal its "full" barrier when they land; the consumers wait for "full", run the stage's wgmma and release it once they are done.
+//
+// X, W, V^T and U tiles come in by TMA as K-major rows of 128 bytes with the 128-byte swizzle, the
+// layout wgmma reads without bank conflicts; TMA fills rows and columns past the tensors with zeros
+// (U's tile is 64 columns wide whatever r is).
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <mutex>
+
+#include "common.cuh"
+#include "launchers.h"
+#include "wgmma.cuh"
+
+namespace bem {
+namespace {
+
+// Two consumer warpgroups of 64 rows each run the wgmma; one thread of a producer warpgroup issues every
+// copy. The producer gives up registers (setmaxnreg) so that each consumer thread can hold its 128 + r / 2
+// sums. The kernel is persistent (one block per multiprocessor walks the tiles), so the producer copies
+// the next tile's first stages while the consumers finish the last one.
+constexpr int kBM = 128, kBN = 256, kBK = 64, kConsumers = 256, kProducers = 128;
+constexpr int kThreads = kConsumers + kProducers;
+
+template <int RN> struct GemmLayout {
+  static constexpr int stages = RN <= 32 ? 4 : 3;  // as many as fit in 227 KB
+  static constexpr int RP = RN < 16 ? 16 : RN;      // rank padded to the k16 of the U step
+  static constexpr int a_bytes = kBM * kBK * 2;
+  static constexpr int w_bytes = kBN * kBK * 2;     // also U's 256 rows (64 columns, zeros past r)
+  static constexpr int v_bytes = RN * kBK * 2;      // V^T's RN rows (RN >= 8: whole 1024-byte swizzle groups)
+  static constexpr int stage_bytes = a_bytes + w_bytes + v_bytes;
+  static constexpr int barrier_offset = stages * stage_bytes;
+  // full and empty mbarriers per stage, and room to align the start to the swizzle's 1024 bytes
+  static constexpr int total_bytes = barrier_offset + 2 * stages * 8 + 1024;
+};
+
+struct GemmUpdateParams {  // besides the TMA maps of X, W, V^T and U
+  const void* bias;
+  const void* codes;
+  void* Y;
+  float* P;
+  int M, N, K, r, n_tiles, tiles;
+  float scale;
+};
+
+template <typename T, int RN>
+__global__ void __launch_bounds__(kThreads, 1)
+    gemm_update_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
+                       const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap u_map,
+                       GemmUpdateParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Lay = GemmLayout<RN>;
+  constexpr int RP = Lay::RP, kStages = Lay::stages;
+  constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (smem_address(smem_raw) & 1023)) & 1023);
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int wg = warp / 4, wrow = (warp % 4) * 16;  // warpgroup, and the warp's 16 rows within it
+  const int g = lane / 4, c = lane % 4;
+  const int M = p.M, N = p.N, K = p.K, r = p.r;
+  const int k_tiles = (K + kBK - 1) / kBK;
+  const unsigned smem_base = smem_address(smem);
+  // full[s]: the copies into stage s have landed; empty[s]: every consumer warp is done with it.
+  const unsigned full_bar = smem_base + Lay::barrier_offset, empty_bar = full_bar + kStages * 8;
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(full_bar + 8 * s, 1);
+      mbarrier_init(empty_bar + 8 * s, kConsumers / 32);
+    }
+  }
+  __syncthreads();
+  // Stage use number `it` (counted over all tiles) goes to stage it % kStages in round it / kStages.
+  auto stage_of = [&](int it) { return smem_base + (it % kStages) * Lay::stage_bytes; };
+
+  if (tid >= kConsumers) {  // the producer warpgroup
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+    if (tid != kConsumers) return;
+    int it = 0;
+    auto acquire = [&](int bytes) {
+      const int s = it % kStages, round = it / kStages;
+      if (round > 0) mbarrier_wait(empty_bar + 8 * s, (round - 1) & 1);
+      mbarrier_expect_bytes(full_bar + 8 * s, bytes);
+      return full_bar + 8 * s;
+    };
+    // The column tiles of one row block are neighbours in tile order, so they share X in L2.
+    for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
+      const int m0 = (tile / p.n_tiles) * kBM, n0 = (tile % p.n_tiles) * kBN;
+      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        const unsigned bar = acquire(Lay::stage_bytes), stage = stage_of(it);
+        tma_load_2d(stage, &x_map, kt * kBK, m0, bar);
+        tma_load_2d(stage + Lay::a_bytes, &w_map, kt * kBK, n0, bar);
+        tma_load_2d(stage + Lay::a_bytes + Lay::w_bytes, &v_map, kt * kBK, 0, bar);
+      }
+      const unsigned bar = acquire(Lay::w_bytes);  // U's rows for the tile go where W's were
+      tma_load_2d(stage_of(it) + Lay::a_bytes, &u_map, 0, n0, bar);
+      ++it;
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+  const T* codes = static_cast<const T*>(p.codes);
+  const T* bias = static_cast<const T*>(p.bias);
+  T* Y = static_cast<T*>(p.Y);
+  int it = 0;
+  auto wait_full = [&](int use) { mbarrier_wait(full_bar + 8 * (use % kStages), (use / kStages) & 1); };
+  auto release = [&](int use) {
+    if (lane == 0) mbarrier_arrive(empty_bar + 8 * (use % kStages));
+  };
+  for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
+    const int m0 = (tile / p.n_tiles) * kBM, n_tile = tile % p.n_tiles, n0 = n_tile * kBN;
+    // The codes for this tile's P, loaded now so that their latency hides behind the K loop.
+    float code[RN / 2];
+#pragma unroll
+    for (int i = 0; i < RN / 2; ++i) {
+      const int row = m0 + wg * 64 + wrow + g + 8 * ((i / 2) % 2), col = 8 * (i / 4) + 2 * c + i % 2;
+      code[i] = codes == nullptr ? 1.f : (row < M && col < r ? to_acc(codes[(size_t)row * r + col]) : 0.f);
+    }
+    float acc0[64], acc1[64], pacc[RN / 2];  // Y columns 0-127 and 128-255 of the tile; P
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc0[i] = acc1[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < RN / 2; ++i) pacc[i] = 0.f;
+
+    for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+      wait_full(it);
+      const unsigned a_base = stage_of(it);
+      const unsigned w_base = a_base + Lay::a_bytes, v_base = w_base + Lay::w_bytes;
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kBK / 16; ++ks) {  // k16 step ks starts 32 bytes into each swizzled row
+        const uint64_t da = wgmma_desc_sw128(a_base + wg * 64 * 128 + ks * 32);
+        Wgmma<T, 128>::ss(acc0, da, wgmma_desc_sw128(w_base + ks * 32));
+        Wgmma<T, 128>::ss(acc1, da, wgmma_desc_sw128(w_base + 128 * 128 + ks * 32));
+        Wgmma<T, RN>::ss(pacc, da, wgmma_desc_sw128(v_base + ks * 32));
+      }
+      wgmma_commit();
+      // Step kt - 1's wgmma are done once at most this step's are pending: its stage goes back.
+      wgmma_wait<1>();
+      if (kt > 0) release(it - 1);
+    }
+    wgmma_wait<0>();
+    release(it - 1);
+
+    // s P ⊙ codes as the U step's A operands (the accumulator layout of P is the register-operand
+    // layout of A); P itself (fp32) from the first column tile when asked for.
+    float pc[RP / 2];
+#pragma unroll
+    for (int i = 0; i < RP / 2; ++i) {
+      const int row = m0 + wg * 64 + wrow + g + 8 * ((i / 2) % 2), col = 8 * (i / 4) + 2 * c + i % 2;
+      const bool live = i < RN / 2 && row < M && col < r;
+      const float v = i < RN / 2 ? pacc[i < RN / 2 ? i : 0] : 0.f;
+      if (live && p.P != nullptr && n_tile == 0) p.P[(size_t)row * r + col] = v;
+      pc[i] = live ? p.scale * v * code[i < RN / 2 ? i : 0] : 0.f;
+    }
+    wait_full(it);
+    const unsigned u_base = stage_of(it) + Lay::a_bytes;
+    wgmma_fence();
+#pragma unroll
+    for (int q = 0; q < RP / 16; ++q) {
+      uint32_t a[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) a[k] = pack2(from_acc<T>(pc[8 * q + 2 * k]), from_acc<T>(pc[8 * q + 2 * k + 1]));
+      Wgmma<T, 128>::rs(acc0, a, wgmma_desc_sw128(u_base + q * 32));
+      Wgmma<T, 128>::rs(acc1, a, wgmma_desc_sw128(u_base + 128 * 128 + q * 32));
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    release(it);
+    ++it;
+
+    // + bias, then Y in 16-byte stores: the four lanes of a quad hold two columns each of the same four
+    // 8-column blocks, and two rounds of shuffles give each lane one block's eight columns.
+    auto store = [&](const float (&acc)[64], int col0) {
+      const bool odd = c & 1, upper = c & 2;
+      uint32_t bias_pair[16];  // this lane's two bias values of each 8-column block, all loaded first
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const int col = col0 + 8 * j + 2 * c;
+        bias_pair[j] = bias != nullptr && col < N ? *reinterpret_cast<const uint32_t*>(bias + col) : 0u;
+      }
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          uint32_t a[4];  // this lane's columns of blocks 4q .. 4q + 3, row g + 8 h
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int i = 4 * (4 * q + j) + 2 * h;
+            const T* b = reinterpret_cast<const T*>(&bias_pair[4 * q + j]);
+            a[j] = pack2(from_acc<T>(acc[i] + to_acc(b[0])), from_acc<T>(acc[i + 1] + to_acc(b[1])));
+          }
+          // Round 1 (lanes c, c ^ 1): keep the blocks whose bit 0 is c's; lo / hi come from the even / odd lane.
+          const uint32_t r0 = __shfl_xor_sync(0xffffffffu, odd ? a[0] : a[1], 1);
+          const uint32_t r1 = __shfl_xor_sync(0xffffffffu, odd ? a[2] : a[3], 1);
+          const uint32_t lo0 = odd ? r0 : a[0], hi0 = odd ? a[1] : r0;  // block (c & 1)
+          const uint32_t lo2 = odd ? r1 : a[2], hi2 = odd ? a[3] : r1;  // block 2 + (c & 1)
+          // Round 2 (lanes c, c ^ 2): keep block c, receive its words from the other pair.
+          const uint32_t s_lo = __shfl_xor_sync(0xffffffffu, upper ? lo0 : lo2, 2);
+          const uint32_t s_hi = __shfl_xor_sync(0xffffffffu, upper ? hi0 : hi2, 2);
+          const uint32_t k_lo = upper ? lo2 : lo0, k_hi = upper ? hi2 : hi0;
+          const uint4 out = upper ? make_uint4(s_lo, s_hi, k_lo, k_hi) : make_uint4(k_lo, k_hi, s_lo, s_hi);
+          const int row = m0 + wg * 64 + wrow + g + 8 * h, col = col0 + 8 * (4 * q + c);
+          if (row < M && col < N) *reinterpret_cast<uint4*>(Y + (size_t)row * N + col) = out;
+        }
+    };
+    store(acc0, n0);
+    store(acc1, n0 + 128);
+  }
+#endif
+}
+
+// 1 where this build has the sm_90a kernels (the extension was built for sm_90a, e.g. TORCH_CUDA_ARCH_LIST=9.0a), else 0.
+__global__ void gemm_update_probe_kernel(int* out) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  *out = 1;
+#else
+  *out = 0;
+#endif
+}
+
+// A row-major rows x cols tensor of 16-bit values as a TMA map with 64-column, box_rows-row boxes and the
+// 128-byte swizzle.
+cudaError_t encode_map(CUtensorMap* map, const void* base, int rows, int cols, int box_rows, bool bf16) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    cudaDriverEntryPointQueryResult found;
+    void* fn = nullptr;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) ==
+            cudaSuccess &&
+        found == cudaDriverEntryPointSuccess)
+      encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  });
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows};
+  const cuuint64_t strides[1] = {(cuuint64_t)cols * 2};
+  const cuuint32_t box[2] = {(cuuint32_t)kBK, (cuuint32_t)box_rows};
+  const cuuint32_t steps[2] = {1, 1};
+  const CUresult res = encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+                              const_cast<void*>(base), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+template <typename T, int RN>
+cudaError_t launch_for_rank(const GemmUpdateArgs& a, cudaStream_t stream) {
+  constexpr auto kernel = gemm_update_kernel<T, RN>;
+  constexpr int bytes = GemmLayout<RN>::total_bytes;
+  cudaError_t err = raise_smem_limit<kernel>(bytes);
+  if (err != cudaSuccess) return err;
+  constexpr bool bf16 = std::is_same<T, __nv_bfloat16>::value;
+  CUtensorMap x_map, w_map, v_map, u_map;
+  if ((err = encode_map(&x_map, a.X, a.M, a.K, kBM, bf16)) != cudaSuccess) return err;
+  if ((err = encode_map(&w_map, a.W, a.N, a.K, kBN, bf16)) != cudaSuccess) return err;
+  if ((err = encode_map(&v_map, a.Vt, a.r, a.K, RN, bf16)) != cudaSuccess) return err;
+  if ((err = encode_map(&u_map, a.U, a.N, a.r, kBN, bf16)) != cudaSuccess) return err;
+  GemmUpdateParams p{a.bias, a.codes, a.Y, a.P, a.M, a.N, a.K, a.r, 0, 0, a.scale};
+  p.n_tiles = (a.N + kBN - 1) / kBN;
+  p.tiles = ((a.M + kBM - 1) / kBM) * p.n_tiles;
+  const int blocks = p.tiles < a.num_sms ? p.tiles : a.num_sms;
+  kernel<<<blocks, kThreads, bytes, stream>>>(x_map, w_map, v_map, u_map, p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t gemm_update_supported(int device, cudaStream_t stream, bool* supported) {
+  static std::atomic<unsigned long long> known{0}, yes{0};  // one bit per device (64 and up: probed each call)
+  const unsigned long long bit = device < 64 ? 1ull << device : 0;
+  if (known.load() & bit) {
+    *supported = (yes.load() & bit) != 0;
+    return cudaSuccess;
+  }
+  // The probe copies its answer back, which a stream being captured into a graph cannot: such a call
+  // takes the other paths, and a later call outside capture probes.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cudaError_t err = cudaStreamIsCapturing(stream, &capture);
+  if (err != cudaSuccess) return err;
+  *supported = false;
+  if (capture != cudaStreamCaptureStatusNone) return cudaSuccess;
+  int major = 0;
+  err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (err != cudaSuccess) return err;
+  int found = 0;
+  if (major == 9) {  // the sm_90a code runs on compute capability 9.0 only
+    int* flag = nullptr;
+    if ((err = cudaMalloc(&flag, sizeof(int))) != cudaSuccess) return err;
+    gemm_update_probe_kernel<<<1, 1>>>(flag);
+    err = cudaGetLastError();
+    if (err == cudaSuccess) err = cudaMemcpy(&found, flag, sizeof(int), cudaMemcpyDeviceToHost);
+    cudaFree(flag);
+    if (err != cudaSuccess) return err;
+  }
+  *supported = found == 1;
+  if (found == 1) yes.fetch_or(bit);
+  known.fetch_or(bit);
+  return cudaSuccess;
+}
+
+long long gemm_update_tiles(int M, int N) { return (long long)((M + kBM - 1) / kBM) * ((N + kBN - 1) / kBN); }
+
+bool gemm_update_fits(const GemmUpdateArgs& a) {
+  const long long tiles = gemm_update_tiles(a.M, a.N);
+  return a.M > 0 && a.K > 0 && a.K % 8 == 0 && a.N % 8 == 0 && a.r >= 1 && a.r % 8 == 0 &&
+         a.r <= kGemmUpdateMaxRank && aligned16(a.X) && aligned16(a.W) && aligned16(a.Vt) && aligned16(a.U) &&
+         aligned16(a.Y) && reinterpret_cast<uintptr_t>(a.bias) % 4 == 0 && tiles < INT32_MAX && a.num_sms > 0;
+}
+
+cudaError_t launch_gemm_update(DType dtype, const GemmUpdateArgs& a, cudaStream_t stream) {
+  if (!gemm_update_fits(a)) return cudaErrorInvalidValue;
+  return dispatch_half(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (a.r <= 8) return launch_for_rank<T, 8>(a, stream);
+    if (a.r <= 16) return launch_for_rank<T, 16>(a, stream);
+    if (a.r <= 32) return launch_for_rank<T, 32>(a, stream);
+    return launch_for_rank<T, 64>(a, stream);
+  });
+}
+
+}  // namespace bem
