@@ -251,13 +251,15 @@ def test_gemm_with_the_update_inside_matches_float64(dtype, M, K, N, r, codes, b
 
 @fused_gemm
 def test_gemm_with_the_update_inside_is_the_default_where_it_measured_faster():
-    """768 x 768 with enough rows for its tiles to fill the GPU: the default dispatch is linear mode 6
-    (bit-equal); with 1024 rows (24 tiles) it is not."""
-    for M, expected in ((128 * torch.cuda.get_device_properties(0).multi_processor_count // 3 + 129, True),
-                        (1024, False)):
-        x, W, b, V, c, U = operands(M, 768, 768, 16, torch.bfloat16, codes=True, seed=7)
+    """Where its tiles fill at least half the GPU and K x N is small for the rank, the default dispatch is
+    linear mode 6 (bit-equal): 768² at r = 16, 4096² at r = 8; not 768² with 1024 rows (24 tiles) or
+    4096² at r = 32."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for M, K, r, expected in ((128 * sms // 3 + 129, 768, 16, True), (1024, 768, 16, False),
+                              (128 * sms // 32 + 200, 4096, 8, True), (128 * sms // 32 + 200, 4096, 32, False)):
+        x, W, b, V, c, U = operands(M, K, K, r, torch.bfloat16, codes=True, seed=7)
         auto, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 0)
         fused, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 6)
         other, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 3)
         assert not torch.equal(fused, other)
-        assert torch.equal(auto, fused if expected else other), f"M = {M}"
+        assert torch.equal(auto, fused if expected else other), f"M = {M}, K = N = {K}, r = {r}"

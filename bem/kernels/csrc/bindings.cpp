@@ -267,20 +267,22 @@ Tensor base_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias)
 }
 
 // Where the GEMM with the update inside measured faster than cuBLAS with a separate update (linear mode
-// 3), on an H200 (docs/kernels.md), x F.linear: K x N up to 2048 x 2048 at r <= 32 (768², M = 16384:
-// 1.29-1.32x against 1.68-1.84x; 3072 x 768: 1.16-1.22x against 1.32-1.38x; 2048², M = 4096: 1.21-1.25x
-// against 1.33x), and at r = 64 up to 768 x 768 (1.54x against 1.84x), once there are at least half as
-// many 128 x 256 tiles as multiprocessors (768² at M = 1024, 24 tiles: 2.61x against 2.25x). From 4096²
-// on cuBLAS's own GEMM outruns the kernel's main loop (1.14-1.33x against 1.11-1.15x at M >= 4096).
-constexpr int64_t kGemmUpdateMaxKN = 2048 * 2048;
-constexpr int64_t kGemmUpdateWideRank = 32;             // above it, the P tiles cost more
-constexpr int64_t kGemmUpdateWideRankMaxKN = 768 * 768;
+// 3), on an H200 (docs/kernels.md), x F.linear at M = 16384 (M = 4096 alike): K x N up to 4096 x 4096 at
+// r = 8 (4096²: 1.09x against 1.13x; 2048²: 1.12x against 1.24x), up to 2048 x 2048 at r <= 32 (2048²:
+// 1.19x against 1.26x; 3072 x 768: 1.19x against 1.40x; 768²: 1.26x against 1.80x) and 768 x 768 at r <= 64
+// (1.52x against 1.84x), once there are at least half as many 128 x 256 tiles as multiprocessors (768² at
+// M = 1024, 24 tiles: 2.61x against 2.25x). Beyond those its extra P columns cost more than the separate
+// update (4096² at r = 32: 1.19x against 1.14x; 2048² at r = 64: 1.38x against 1.25x).
+int64_t gemm_update_max_kn(int64_t r) {
+  if (r <= 8) return 4096 * 4096;
+  if (r <= 32) return 2048 * 2048;
+  return 768 * 768;
+}
 
 bool gemm_update_suits(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& V,
                        const Tensor& U) {
   const int64_t M = x.size(0), K = x.size(1), N = U.size(0), r = V.size(1);
-  const int64_t max_kn = r <= kGemmUpdateWideRank ? kGemmUpdateMaxKN : kGemmUpdateWideRankMaxKN;
-  if (!tensor_core_dtype(x) || K * N > max_kn || K % 8 != 0 || N % 8 != 0 || r % 8 != 0 ||
+  if (!tensor_core_dtype(x) || K * N > gemm_update_max_kn(r) || K % 8 != 0 || N % 8 != 0 || r % 8 != 0 ||
       r > kGemmUpdateMaxRank || !weight.is_contiguous() || !aligned16(x.data_ptr()) ||
       !aligned16(weight.data_ptr()) || !aligned16(U.data_ptr()) ||
       (bias.has_value() && reinterpret_cast<uintptr_t>(bias->data_ptr()) % 4 != 0) ||

@@ -4,7 +4,7 @@
 // pass costs more than half of the GEMM, most of it in reading and writing Y a second time. Here each
 // 128 x 256 tile of Y accumulates X W^T over K on the warpgroup tensor cores (wgmma, operands brought
 // into shared memory by TMA); the same X tiles also multiply V^T, so P = X V for the tile's rows comes
-// out of the loop too. After the loop the tile adds (s P ⊙ codes) U^T, with P ⊙ codes as register
+// out of the loop too (V^T's rows ride along with W's last 128 in one wider wgmma). After the loop the tile adds (s P ⊙ codes) U^T, with P ⊙ codes as register
 // operands, and writes Y once. P is recomputed by each of a row's N / 256 column tiles: r / 256 more
 // work per step, cheap while r and N are small.
 //
@@ -39,7 +39,7 @@ template <int RN> struct GemmLayout {
   static constexpr int RP = RN < 16 ? 16 : RN;      // rank padded to the k16 of the U step
   static constexpr int a_bytes = kBM * kBK * 2;
   static constexpr int w_bytes = kBN * kBK * 2;     // also U's 256 rows (64 columns, zeros past r)
-  static constexpr int v_bytes = RN * kBK * 2;      // V^T's RN rows (RN >= 8: whole 1024-byte swizzle groups)
+  static constexpr int v_bytes = RN * kBK * 2;      // V^T's RN rows, right after W's (RN >= 8: whole 1024-byte swizzle groups)
   static constexpr int stage_bytes = a_bytes + w_bytes + v_bytes;
   static_assert(RP <= kBK, "U's rows must fit in one swizzled 128-byte row of W's slot");
   static constexpr int barrier_offset = stages * stage_bytes;
@@ -129,23 +129,25 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int row = m0 + wg * 64 + wrow + g + 8 * ((i / 2) % 2), col = 8 * (i / 4) + 2 * c + i % 2;
       code[i] = codes == nullptr ? 1.f : (row < M && col < r ? to_acc(codes[(size_t)row * r + col]) : 0.f);
     }
-    float acc0[64], acc1[64], pacc[RN / 2];  // Y columns 0-127 and 128-255 of the tile; P
+    // Y columns 0-127 and 128-255 of the tile; acc1 also holds P = X V (V^T's rows follow W's in the
+    // stage, so one wgmma with N = 128 + RN covers both): one read of the X tile per step instead of two.
+    float acc0[64], acc1[64 + RN / 2];
+    float (&acc1_y)[64] = *reinterpret_cast<float(*)[64]>(acc1);
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc0[i] = acc1[i] = 0.f;
+    for (int i = 0; i < 64; ++i) acc0[i] = 0.f;
 #pragma unroll
-    for (int i = 0; i < RN / 2; ++i) pacc[i] = 0.f;
+    for (int i = 0; i < 64 + RN / 2; ++i) acc1[i] = 0.f;
 
     for (int kt = 0; kt < k_tiles; ++kt, ++it) {
       wait_full(it);
       const unsigned a_base = stage_of(it);
-      const unsigned w_base = a_base + Lay::a_bytes, v_base = w_base + Lay::w_bytes;
+      const unsigned w_base = a_base + Lay::a_bytes;
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < kBK / 16; ++ks) {  // k16 step ks starts 32 bytes into each swizzled row
         const uint64_t da = wgmma_desc_sw128(a_base + wg * 64 * 128 + ks * 32);
         Wgmma<T, 128>::ss(acc0, da, wgmma_desc_sw128(w_base + ks * 32));
-        Wgmma<T, 128>::ss(acc1, da, wgmma_desc_sw128(w_base + 128 * 128 + ks * 32));
-        Wgmma<T, RN>::ss(pacc, da, wgmma_desc_sw128(v_base + ks * 32));
+        Wgmma<T, 128 + RN>::ss(acc1, da, wgmma_desc_sw128(w_base + 128 * 128 + ks * 32));
       }
       wgmma_commit();
       // Step kt - 1's wgmma are done once at most this step's are pending: its stage goes back.
@@ -162,7 +164,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < RP / 2; ++i) {
       const int row = m0 + wg * 64 + wrow + g + 8 * ((i / 2) % 2), col = 8 * (i / 4) + 2 * c + i % 2;
       const bool live = i < RN / 2 && row < M && col < r;
-      const float v = i < RN / 2 ? pacc[i < RN / 2 ? i : 0] : 0.f;
+      const float v = i < RN / 2 ? acc1[64 + (i < RN / 2 ? i : 0)] : 0.f;
       if (live && p.P != nullptr && n_tile == 0) p.P[(size_t)row * r + col] = v;
       pc[i] = live ? p.scale * v * code[i < RN / 2 ? i : 0] : 0.f;
     }
@@ -175,7 +177,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int k = 0; k < 4; ++k) a[k] = pack2(from_acc<T>(pc[8 * q + 2 * k]), from_acc<T>(pc[8 * q + 2 * k + 1]));
       Wgmma<T, 128>::rs(acc0, a, wgmma_desc_sw128(u_base + q * 32));
-      Wgmma<T, 128>::rs(acc1, a, wgmma_desc_sw128(u_base + 128 * 128 + q * 32));
+      Wgmma<T, 128>::rs(acc1_y, a, wgmma_desc_sw128(u_base + 128 * 128 + q * 32));
     }
     wgmma_commit();
     wgmma_wait<0>();
@@ -218,7 +220,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
     };
     store(acc0, n0);
-    store(acc1, n0 + 128);
+    store(acc1_y, n0 + 128);
   }
 #endif
 }
