@@ -172,3 +172,39 @@ def test_setup_skips_the_extension_when_told(tmp_path):
         "assert seen['name'] == 'bem'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+
+
+def test_setup_and_the_jit_build_compile_every_kernel_source():
+    """setup.py and the just-in-time build take the same sources: every .cpp and .cu file of csrc/."""
+    from pathlib import Path
+
+    from bem.kernels import loader
+
+    csrc = Path(loader.__file__).parent / "csrc"
+    on_disk = sorted(p.name for p in csrc.iterdir() if p.suffix in (".cpp", ".cu"))
+    assert loader.SOURCES == on_disk and "gemm_update.cu" in on_disk and "bindings.cpp" in on_disk
+    code = (
+        "import runpy, setuptools\n"
+        "setuptools.setup = lambda **kw: None\n"
+        "names = runpy.run_path('setup.py')['kernel_sources']()\n"
+        "print(','.join(sorted(n.rsplit('/', 1)[-1] for n in names)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                         cwd=str(Path(__file__).parents[1]), env={**__import__("os").environ, "BEM_BUILD_CUDA": "0"})
+    assert out.stdout.strip().split(",") == on_disk
+
+
+@pytest.mark.parametrize("set_list,capability,expected", [
+    (None, (9, 0), "9.0a"), (None, (8, 6), "8.6"), ("8.0;9.0", (9, 0), None),
+])
+def test_jit_arch_list(monkeypatch, set_list, capability, expected):
+    """Unset TORCH_CUDA_ARCH_LIST: the GPU's own architecture, 9.0a on Hopper (the fused prefill GEMM
+    needs the arch-specific target); set: left to the user."""
+    from bem.kernels import loader
+
+    if set_list is None:
+        monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", set_list)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    assert loader._jit_arch_list() == expected
