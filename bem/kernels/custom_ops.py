@@ -4,6 +4,7 @@ autograd formulas. Ops are registered whether or not the extension loaded; only 
     bem::fused_generated_update(x, V, codes, U, s) -> (s ((x V) ⊙ codes) U^T, x V)
     bem::fused_bem_linear(x, W, b, V, codes, U, s) -> (x W^T + b + s ((x V) ⊙ codes) U^T, x V)
     bem::lowrank_project(a, b)                     -> a b            (the backward's dY U)
+    bem::decode_backward(x, dY, W, V, U, P, codes, s) -> (dX, dV, dcodes, dU) for 1..64 rows
 
 x is (M, K), V (K, r), U (N, r), codes (M, r) or None, W (N, K) (row-major or a transposed view).
 The second output, x V in float32 (float64 for float64 inputs), is what the backward reuses.
@@ -59,6 +60,14 @@ def lowrank_project(a: Tensor, b: Tensor) -> Tensor:
     return _extension().project(a, b)
 
 
+@torch.library.custom_op("bem::decode_backward", mutates_args=())
+def decode_backward(
+    x: Tensor, grad_y: Tensor, weight: Optional[Tensor], V: Tensor, U: Tensor, P: Tensor, codes: Optional[Tensor],
+    scaling: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return tuple(_extension().decode_backward(x, grad_y, weight, V, U, P, codes, scaling))
+
+
 @fused_generated_update.register_fake
 def _(x, V, codes, U, scaling):
     return x.new_empty(x.shape[0], U.shape[0]), x.new_empty(x.shape[0], V.shape[1], dtype=_p_dtype(x))
@@ -72,6 +81,25 @@ def _(x, weight, bias, V, codes, U, scaling):
 @lowrank_project.register_fake
 def _(a, b):
     return a.new_empty(a.shape[0], b.shape[1], dtype=_p_dtype(a))
+
+
+@decode_backward.register_fake
+def _(x, grad_y, weight, V, U, P, codes, scaling):
+    M, K, r = x.shape[0], x.shape[1], V.shape[1]
+    return x.new_empty(M, K), x.new_empty(K, r), x.new_empty(M, r), x.new_empty(U.shape[0], r)
+
+
+def _decode_sized(grad_y: Tensor, V: Tensor) -> bool:
+    """Whether the backward takes the decode-size path: 1..64 fp16/bf16 rows on CUDA."""
+    return (grad_y.is_cuda and grad_y.dtype in (torch.float16, torch.bfloat16)
+            and 1 <= grad_y.shape[0] <= decode_max_tokens() and V.shape[1] <= int(_C.MAX_FUSED_RANK))
+
+
+def _decode_backward(grad_y, x, V, codes, U, P, scaling, weight, needs):
+    """The backward at decode sizes in three launches: cuBLAS dY W, then two small kernels for the rest."""
+    need_x, need_v, need_codes, need_u = needs
+    dx, dv, dcodes, du = decode_backward(x, grad_y, weight if need_x else None, V, U, P, codes, scaling)
+    return dx if need_x else None, dv if need_v else None, dcodes if need_codes else None, du if need_u else None
 
 
 def lowrank_backward(
@@ -89,6 +117,8 @@ def lowrank_backward(
     need_x, need_v, need_codes, need_u = needs
     dtype = x.dtype
     grad_y = grad_y.contiguous()
+    if _decode_sized(grad_y, V):
+        return _decode_backward(grad_y, x, V, codes, U, P, scaling, weight, needs)
     dx = dv = dcodes = du = None
     if need_x or need_v or need_codes:
         G = lowrank_project(grad_y, U)  # (M, r), fp32: one pass over dY

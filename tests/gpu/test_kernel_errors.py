@@ -99,3 +99,42 @@ def test_gemm_with_the_update_inside_rejects_what_it_cannot_take():
     V8, U8 = V[:, :8].contiguous(), U[:, :8].contiguous()
     with pytest.raises(ValueError, match="rank 8"):  # a transposed weight
         custom_ops._C.linear_forward(x, W.t().contiguous().t(), None, V8, None, U8, 1.0, 6)
+
+
+def _grad_args(M=3, K=40, N=24, r=8, dtype=torch.bfloat16):
+    def t(*shape, dt=dtype):
+        return torch.randn(*shape, device="cuda", dtype=dt)
+    # x, grad_y, weight, V, U, P, codes
+    return t(M, K), t(M, N), t(N, K), t(K, r), t(N, r), t(M, r, dt=torch.float32), t(M, r)
+
+
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (lambda x, dy, W, V, U, P, c: (x.float(), dy.float(), W.float(), V.float(), U.float(), P, c.float()),
+         "takes float16 or bfloat16"),
+        (lambda x, dy, W, V, U, P, c: (x, dy.half(), W, V, U, P, c), "grad_y has dtype"),
+        (lambda x, dy, W, V, U, P, c: (x, dy[:2].contiguous(), W, V, U, P, c), r"grad_y must be \(M, N\) = \(3, 24\)"),
+        (lambda x, dy, W, V, U, P, c: (x, dy.t().contiguous().t(), W, V, U, P, c), "grad_y must be contiguous"),
+        (lambda x, dy, W, V, U, P, c: (x, dy, W[:, :39], V, U, P, c), r"weight must be \(N, K\) = \(24, 40\)"),
+        (lambda x, dy, W, V, U, P, c: (x, dy, W.half(), V, U, P, c), "weight has dtype"),
+        (lambda x, dy, W, V, U, P, c: (x, dy, W, V[:39].contiguous(), U, P, c), "V has 39 rows"),
+        (lambda x, dy, W, V, U, P, c: (x, dy, W, V, U[:, :4].contiguous(), P, c), "U has rank"),
+        (lambda x, dy, W, V, U, P, c: (x, dy, W, V, U, P.bfloat16(), c), "P must be float32"),
+        (lambda x, dy, W, V, U, P, c: (x, dy, W, V, U, P[:, :4].contiguous(), c), r"P must be \(M, r\)"),
+        (lambda x, dy, W, V, U, P, c: (x, dy, W, V, U, P, c[:, :4].contiguous()), "codes must be"),
+        (lambda x, dy, W, V, U, P, c: (x, dy, W, V, U, P.cpu(), c), "P is on cpu"),
+        (lambda x, dy, W, V, U, P, c: (x.cpu(), dy, W, V, U, P, c), "x must be a CUDA tensor"),
+    ],
+)
+def test_decode_backward_rejects(mutate, message):
+    args = mutate(*_grad_args())
+    with pytest.raises(ValueError, match=message):
+        custom_ops._C.decode_backward(*args, 1.0)
+
+
+def test_decode_backward_rejects_more_rows_than_decode_sizes_and_rank_over_128():
+    with pytest.raises(ValueError, match=r"takes 1..64 rows, got M = 65"):
+        custom_ops._C.decode_backward(*_grad_args(M=65), 1.0)
+    with pytest.raises(ValueError, match=r"rank 129 exceeds the kernels' maximum of 128"):
+        custom_ops._C.decode_backward(*_grad_args(r=129), 1.0)

@@ -279,18 +279,29 @@ int64_t gemm_update_max_kn(int64_t r) {
   return 768 * 768;
 }
 
+// Whether this build has the GEMM with the update inside for the device (sm_90a code on a 9.0 GPU).
+bool gemm_update_runs(int device) {
+  bool supported = false;
+  C10_CUDA_CHECK(gemm_update_supported(device, stream_now(), &supported));
+  return supported;
+}
+
+// Whether the GEMM with the update inside takes these operands as they are (gemm_update_fits on the
+// tensors, before anything is allocated).
+bool gemm_update_takes(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& V,
+                       const Tensor& U) {
+  const int64_t K = x.size(1), N = U.size(0), r = V.size(1);
+  return tensor_core_dtype(x) && K % 8 == 0 && N % 8 == 0 && r % 8 == 0 && r <= kGemmUpdateMaxRank &&
+         weight.is_contiguous() && aligned16(x.data_ptr()) && aligned16(weight.data_ptr()) &&
+         aligned16(U.data_ptr()) && (!bias.has_value() || reinterpret_cast<uintptr_t>(bias->data_ptr()) % 4 == 0);
+}
+
+// The default dispatch's choice: takes the call, K x N within the measured limit for the rank, enough tiles.
 bool gemm_update_suits(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& V,
                        const Tensor& U) {
   const int64_t M = x.size(0), K = x.size(1), N = U.size(0), r = V.size(1);
-  if (!tensor_core_dtype(x) || K * N > gemm_update_max_kn(r) || K % 8 != 0 || N % 8 != 0 || r % 8 != 0 ||
-      r > kGemmUpdateMaxRank || !weight.is_contiguous() || !aligned16(x.data_ptr()) ||
-      !aligned16(weight.data_ptr()) || !aligned16(U.data_ptr()) ||
-      (bias.has_value() && reinterpret_cast<uintptr_t>(bias->data_ptr()) % 4 != 0) ||
-      2 * gemm_update_tiles((int)M, (int)N) < num_sms(x.get_device()))
-    return false;
-  bool supported = false;
-  C10_CUDA_CHECK(gemm_update_supported(x.get_device(), stream_now(), &supported));
-  return supported;
+  return K * N <= gemm_update_max_kn(r) && gemm_update_takes(x, weight, bias, V, U) &&
+         2 * gemm_update_tiles((int)M, (int)N) >= num_sms(x.get_device()) && gemm_update_runs(x.get_device());
 }
 
 GemmUpdateArgs gemm_update_args(const Tensor& x, const Tensor& weight, const Tensor* bias, const Tensor& Vt,
@@ -368,19 +379,17 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
     return {Y, P};
   }
   if (mode == kGemmUpdate) {
-    bool supported = false;
-    C10_CUDA_CHECK(gemm_update_supported(x.get_device(), stream_now(), &supported));
-    BEM_CHECK(supported, "the fused GEMM needs a compute capability 9.0 GPU and the extension built for sm_90a ",
-              "(TORCH_CUDA_ARCH_LIST=9.0a)");
-    Tensor Y = at::empty({M, N}, x.options());
-    Tensor P = need_p ? at::empty({M, r}, x.options().dtype(at::kFloat)) : Tensor();
-    const Tensor Vt = V.t().contiguous();  // r x K: K-major, like x and the weight
-    const GemmUpdateArgs args = gemm_update_args(x, weight, bias_ptr, Vt, codes, U, Y, P, scale);
-    BEM_CHECK(weight.is_contiguous() && gemm_update_fits(args),
+    BEM_CHECK(gemm_update_runs(x.get_device()), "the fused GEMM needs a compute capability 9.0 GPU and the ",
+              "extension built for sm_90a (TORCH_CUDA_ARCH_LIST=9.0a)");
+    BEM_CHECK(gemm_update_takes(x, weight, bias, V, U),
               "the fused GEMM takes a row-major weight, K, N and the rank multiples of 8, rank up to ",
               kGemmUpdateMaxRank, " and 16-byte aligned x, weight and U; got x ", x.sizes(), ", weight ",
               weight.sizes(), " strides ", weight.strides(), ", rank ", r);
-    C10_CUDA_CHECK(launch_gemm_update(dtype_of(x), args, stream_now()));
+    Tensor Y = at::empty({M, N}, x.options());
+    Tensor P = need_p ? at::empty({M, r}, x.options().dtype(at::kFloat)) : Tensor();
+    const Tensor Vt = V.t().contiguous();  // r x K: K-major, like x and the weight
+    C10_CUDA_CHECK(launch_gemm_update(dtype_of(x), gemm_update_args(x, weight, bias_ptr, Vt, codes, U, Y, P, scale),
+                                      stream_now()));
     return {Y, P};
   }
   if (mode == kGemmThenUpdate) {
@@ -427,13 +436,93 @@ std::tuple<Tensor, Tensor> linear_forward(const Tensor& x, const Tensor& weight,
   return {Y.view(shape), P};
 }
 
+void check_p_like(const Tensor& t, const char* name, const Tensor& x, int64_t M, int64_t r) {
+  BEM_CHECK(t.device() == x.device(), "", name, " is on ", t.device(), " but x is on ", x.device());
+  BEM_CHECK(t.scalar_type() == at::kFloat, "", name, " must be float32, got ", t.scalar_type());
+  check_contiguous(t, name);
+  BEM_CHECK(t.dim() == 2 && t.size(0) == M && t.size(1) == r, "", name, " must be (M, r) = (", M, ", ", r,
+            "), got ", t.sizes());
+}
+
+// An event for ordering two streams (no timing), destroyed with the scope: the driver keeps it alive
+// until the work recorded into it is done. Works inside a CUDA-graph capture (fork and join).
+struct StreamEvent {
+  cudaEvent_t event = nullptr;
+  StreamEvent() { C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming)); }
+  ~StreamEvent() { cudaEventDestroy(event); }
+  StreamEvent(const StreamEvent&) = delete;
+  StreamEvent& operator=(const StreamEvent&) = delete;
+};
+
+// The backward at decode sizes: (dX, dV, dcodes, dU) with dX = dY W + s (G ⊙ c) V^T (without W: the
+// update's share alone), dV = s x^T (G ⊙ c), dcodes = s G ⊙ P, dU = s dY^T (P ⊙ c), G = dY U. cuBLAS
+// writes dY W while the first low-rank launch (dU and G's partial sums) runs beside it on a pool
+// stream; the second adds the rest (lowrank_grads.cu). x: (M, K), grad_y: (M, N), weight: (N, K)
+// (any strides) or None, V: (K, r), U: (N, r), P = x V: (M, r) float32, codes: (M, r) or None; M <= 64.
+std::tuple<Tensor, Tensor, Tensor, Tensor> decode_backward(const Tensor& x, const Tensor& grad_y, const OptTensor& weight,
+                                                           const Tensor& V, const Tensor& U, const Tensor& P,
+                                                           const OptTensor& codes, double scale) {
+  check_update_operands(x, V, codes, U);
+  BEM_CHECK(tensor_core_dtype(x), "the decode-size backward takes float16 or bfloat16, got ", x.scalar_type());
+  const int64_t M = x.size(0), K = x.size(1), N = U.size(0), r = V.size(1);
+  BEM_CHECK(M >= 1 && M <= kDecodeMaxTokens, "the decode-size backward takes 1..", kDecodeMaxTokens,
+            " rows, got M = ", M);
+  check_like(grad_y, "grad_y", x);
+  check_contiguous(grad_y, "grad_y");
+  BEM_CHECK(grad_y.dim() == 2 && grad_y.size(0) == M && grad_y.size(1) == N, "grad_y must be (M, N) = (", M, ", ",
+            N, "), got ", grad_y.sizes());
+  check_p_like(P, "P", x, M, r);
+  if (weight.has_value()) {
+    check_like(*weight, "weight", x);
+    BEM_CHECK(weight->dim() == 2 && weight->size(0) == N && weight->size(1) == K, "weight must be (N, K) = (", N,
+              ", ", K, "), got ", weight->sizes());
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  Tensor dX = at::empty({M, K}, x.options());
+  Tensor dV = at::empty({K, r}, x.options());
+  Tensor dcodes = at::empty({M, r}, x.options());
+  Tensor dU = at::empty({N, r}, x.options());
+  Tensor ws = at::empty({lowrank_grads_workspace((int)M, (int)N, (int)r)}, x.options().dtype(at::kFloat));
+  LowRankGradArgs args{};
+  args.X = x.data_ptr();
+  args.dY = grad_y.data_ptr();
+  args.V = V.data_ptr();
+  args.U = U.data_ptr();
+  args.P = P.data_ptr<float>();
+  args.codes = codes.has_value() ? codes->data_ptr() : nullptr;
+  args.dV = dV.data_ptr();
+  args.dU = dU.data_ptr();
+  args.dcodes = dcodes.data_ptr();
+  args.dX = dX.data_ptr();
+  args.ws = ws.data_ptr<float>();
+  args.M = (int)M;
+  args.K = (int)K;
+  args.N = (int)N;
+  args.r = (int)r;
+  args.scale = (float)scale;
+  args.accumulate = weight.has_value();
+  if (!weight.has_value()) {
+    C10_CUDA_CHECK(launch_lowrank_grads_first(dtype_of(x), args, stream_now()));
+  } else {  // fork: the first launch beside cuBLAS's dY W; join before the second, which adds onto it
+    const cudaStream_t main = stream_now();
+    const cudaStream_t side = c10::cuda::getStreamFromPool(false, x.get_device()).stream();
+    const StreamEvent forked, joined;
+    C10_CUDA_CHECK(cudaEventRecord(forked.event, main));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(side, forked.event, 0));
+    C10_CUDA_CHECK(launch_lowrank_grads_first(dtype_of(x), args, side));
+    at::mm_out(dX, grad_y, *weight);
+    C10_CUDA_CHECK(cudaEventRecord(joined.event, side));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(main, joined.event, 0));
+  }
+  C10_CUDA_CHECK(launch_lowrank_grads_second(dtype_of(x), args, stream_now()));
+  return {dX, dV, dcodes, dU};
+}
+
 // Whether this build and the current device run the GEMM with the update inside (linear mode 6).
 bool fused_gemm_available() {
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
-  bool supported = false;
-  C10_CUDA_CHECK(gemm_update_supported(device, stream_now(), &supported));
-  return supported;
+  return gemm_update_runs(device);
 }
 
 }  // namespace
@@ -448,6 +537,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_forward", &bem::linear_forward, "(Y, P) = (x W^T + b + s ((x V) ⊙ codes) U^T, x V)",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("V"), py::arg("codes"), py::arg("U"),
         py::arg("scaling"), py::arg("mode") = 0, py::arg("split_k") = 0, py::arg("need_p") = true);
+  m.def("decode_backward", &bem::decode_backward,
+        "(dX, dV, dcodes, dU) of the BEM linear (weight given) or of the update, for 1..64 rows",
+        py::arg("x"), py::arg("grad_y"), py::arg("weight"), py::arg("V"), py::arg("U"), py::arg("P"), py::arg("codes"),
+        py::arg("scaling"));
   m.def("fused_gemm_available", &bem::fused_gemm_available,
         "whether the GEMM with the update inside (linear mode 6, sm_90a) runs on the current device");
   m.attr("DECODE_MAX_TOKENS") = bem::kDecodeMaxTokens;

@@ -92,6 +92,32 @@ bool decode_stream_fits(const DecodeArgs& args, int cc_major);
 int decode_stream_split(int N, int K, int device);
 cudaError_t launch_decode_stream(DType dtype, const DecodeArgs& args, cudaStream_t stream);
 
+// The backward's low-rank pieces at decode sizes (M <= kDecodeMaxTokens, fp16/bf16), in two launches
+// (the first needs neither dX nor V; the second runs after it and after whatever wrote dX):
+// dU = s dY^T (P ⊙ c) (N x r), dV = s X^T (G ⊙ c) (K x r), dcodes = s G ⊙ P (M x r) and the update's
+// share of dX, s (G ⊙ c) V^T (M x K), added to dX in place (accumulate, e.g. onto dY W) or written;
+// G = dY U is summed in fp32 from partial sums in ws (lowrank_grads_workspace(M, N, r) floats).
+// P = X V in fp32 (M x r), codes M x r or null (all ones). All row-major and contiguous.
+struct LowRankGradArgs {
+  const void* X;   // M x K
+  const void* dY;  // M x N
+  const void* V;   // K x r
+  const void* U;   // N x r
+  const float* P;
+  const void* codes;
+  void* dV;
+  void* dU;
+  void* dcodes;
+  void* dX;
+  float* ws;
+  int M, K, N, r;
+  float scale;
+  bool accumulate;
+};
+int64_t lowrank_grads_workspace(int M, int N, int r);
+cudaError_t launch_lowrank_grads_first(DType dtype, const LowRankGradArgs& args, cudaStream_t stream);
+cudaError_t launch_lowrank_grads_second(DType dtype, const LowRankGradArgs& args, cudaStream_t stream);
+
 // Y = X W^T + b + s * ((X V) ⊙ codes) U^T as one Hopper GEMM with the update inside (fp16/bf16, W
 // row-major N x K, Vt = V^T row-major r x K): gemm_update_fits says whether it takes the call (K, N and
 // r multiples of 8, r <= kGemmUpdateMaxRank, X, W, Vt, U and Y 16-byte aligned, bias 4-byte aligned), gemm_update_supported

@@ -1,0 +1,133 @@
+"""The backward at decode sizes (cuBLAS dY W, then two small kernels for G = dY U, dU, dV, dcodes and
+the update's share of dX) against float64, for every combination of gradients asked for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bem.kernels import custom_ops, ops, reference
+
+from .kernel_helpers import bound, operands, poison_allocator, rel_err, stable_seed
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not ops.KERNELS_AVAILABLE, reason="BEM CUDA extension not loaded"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,K,N,r", [(1, 64, 40, 1), (5, 200, 77, 5), (16, 512, 1024, 32), (33, 136, 264, 100),
+                                     (64, 256, 128, 128), (7, 1000, 24, 16), (2, 96, 5000, 12)])
+@pytest.mark.parametrize("with_codes", [True, False])
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_decode_backward_op_matches_float64(dtype, M, K, N, r, with_codes, with_weight):
+    """The op itself: odd sizes, ranks not a multiple of 8, more than 32 chunks of dY (N = 5000)."""
+    seed = stable_seed(dtype, M, K, N, r, with_codes, with_weight)
+    x, W, _, V, c, U = operands(M, K, N, r, dtype, codes=with_codes, seed=seed)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    dy = torch.randn(M, N, device="cuda", generator=g).to(dtype)
+    P = torch.randn(M, r, device="cuda", generator=g)
+    s = 0.7
+    poison_allocator(x.device, (K + N + M) * r + M * K)
+    outs = custom_ops._C.decode_backward(x, dy, W if with_weight else None, V, U, P, c, s)
+    c64 = torch.ones(M, r, dtype=torch.float64, device="cuda") if c is None else c.double()
+    G64 = dy.double() @ U.double()
+    refs = {"dX": s * (G64 * c64) @ V.double().t() + (dy.double() @ W.double() if with_weight else 0),
+            "dV": s * x.double().t() @ (G64 * c64), "dcodes": s * G64 * P.double(),
+            "dU": s * dy.double().t() @ (P.double() * c64)}
+    # PyTorch in the same dtype: G from cuBLAS, the coefficients rounded to the dtype
+    G, c32 = dy @ U, c64.float()
+    low = (s * G.float() * c32).to(dtype)
+    torch_out = {"dX": low @ V.t() + (dy @ W if with_weight else 0), "dV": x.t() @ low,
+                 "dcodes": (s * G.float() * P).to(dtype), "dU": dy.t() @ (s * P * c32).to(dtype)}
+    for name, out in zip(("dX", "dV", "dcodes", "dU"), outs):
+        assert out.dtype == dtype and out.shape == refs[name].shape
+        torch_err = rel_err(torch_out[name], refs[name])
+        assert rel_err(out, refs[name]) <= bound(torch_err, dtype), f"{name}: {rel_err(out, refs[name]):.3g}"
+
+
+def _grads(fn, leaves, dy):
+    for t in leaves:
+        t.grad = None
+    fn(*leaves).backward(dy)
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,K,N,r", [(1, 256, 512, 8), (16, 520, 264, 32), (64, 128, 96, 64), (3, 96, 200, 128),
+                                     (9, 77, 45, 3)])
+@pytest.mark.parametrize("op", ["linear", "linear_conv1d", "update"])
+@pytest.mark.parametrize("needs", ["all", "no_x", "no_codes", "only_u"])
+def test_decode_backward_matches_float64(dtype, M, K, N, r, op, needs, monkeypatch):
+    """Gradients of the fused ops at decode sizes, with the decode path shown to run."""
+    calls = []
+    real = custom_ops._decode_backward
+    monkeypatch.setattr(custom_ops, "_decode_backward", lambda *a: calls.append(1) or real(*a))
+    x, W, b, V, c, U = operands(M, K, N, r, dtype, codes=True, seed=stable_seed(dtype, M, K, N, r, op, needs))
+    if op == "linear_conv1d":
+        W = W.t().contiguous().t()  # GPT-2 Conv1D: the transposed view of a (K, N) buffer
+    wants = {"all": (True, True, True, True), "no_x": (False, True, True, True),
+             "no_codes": (True, True, False, True), "only_u": (False, False, False, True)}[needs]
+
+    def make(module, w, bias):
+        if op == "update":
+            return lambda x, V, c, U: module.generated_update(x, V, c, U, 1.3)
+        return lambda x, V, c, U: module.bem_linear(x, w, bias, V, c, U, 1.3)
+
+    dy = torch.randn(M, N, device="cuda", generator=torch.Generator(device="cuda").manual_seed(M)).to(dtype)
+    leaves = [t.detach().requires_grad_(want) for t, want in zip((x, V, c, U), wants)]
+    ref_leaves = [t.detach().double().requires_grad_(want) for t, want in zip(leaves, wants)]
+    ref = _grads(make(reference, W.double(), b.double()), ref_leaves, dy.double())
+    torch_grads = _grads(make(reference, W, b), leaves, dy)
+    poison_allocator(x.device, (M + K + N) * max(r, M))
+    kernel_grads = _grads(make(ops, W, b), leaves, dy)
+    assert calls, "the decode-size backward did not run"
+    for name, want, k, t, r64 in zip(("x", "V", "codes", "U"), wants, kernel_grads, torch_grads, ref):
+        if not want:
+            assert k is None, f"d{name} computed though not asked for"
+            continue
+        torch_err = rel_err(t, r64)
+        assert rel_err(k, r64) <= bound(torch_err, dtype), f"d{name}: {rel_err(k, r64):.3g} vs torch {torch_err:.3g}"
+
+
+def test_decode_backward_is_not_taken_above_decode_sizes(monkeypatch):
+    calls = []
+    monkeypatch.setattr(custom_ops, "_decode_backward", lambda *a: calls.append(1))
+    x, W, b, V, c, U = operands(65, 64, 32, 8, torch.bfloat16, codes=True, seed=3)
+    V.requires_grad_()
+    ops.bem_linear(x, W, b, V, c, U, 1.0).float().sum().backward()
+    assert not calls and V.grad is not None
+
+
+def test_decode_backward_in_a_cuda_graph():
+    """The backward forks onto a pool stream beside cuBLAS and joins again: capture and replay must hold."""
+    M, K, N, r = 4, 384, 512, 16
+    x, W, b, V, c, U = operands(M, K, N, r, torch.bfloat16, codes=True, seed=21)
+    leaves = [t.detach().requires_grad_() for t in (x, V, c, U)]
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+
+    def grads():
+        y = ops.bem_linear(leaves[0], W, b, leaves[1], leaves[2], leaves[3], 0.9)
+        return torch.autograd.grad(y, leaves, dy)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            grads()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = grads()
+    for seed in range(3):
+        fresh = operands(M, K, N, r, torch.bfloat16, codes=True, seed=200 + seed)
+        with torch.no_grad():
+            for leaf, new in zip(leaves, (fresh[0], fresh[3], fresh[4], fresh[5])):
+                leaf.copy_(new)
+            dy.copy_(torch.randn(M, N, device="cuda", dtype=torch.bfloat16))
+        graph.replay()
+        eager = grads()
+        for name, g_graph, g_eager in zip(("x", "V", "codes", "U"), static, eager):
+            # the same kernels on the same inputs; a stale or partial replay would differ by O(1)
+            assert rel_err(g_graph, g_eager.double()) < 1e-2, f"d{name} differs between graph replay and eager"
