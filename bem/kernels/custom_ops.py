@@ -96,7 +96,7 @@ def _decode_sized(grad_y: Tensor, V: Tensor) -> bool:
 
 
 def _decode_backward(grad_y, x, V, codes, U, P, scaling, weight, needs):
-    """The backward at decode sizes in three launches: cuBLAS dY W, then two small kernels for the rest."""
+    """The backward at decode sizes: cuBLAS dY W, and beside it two small kernels for the rest."""
     need_x, need_v, need_codes, need_u = needs
     dx, dv, dcodes, du = decode_backward(x, grad_y, weight if need_x else None, V, U, P, codes, scaling)
     return dx if need_x else None, dv if need_v else None, dcodes if need_codes else None, du if need_u else None
@@ -137,12 +137,15 @@ def lowrank_backward(
 
 
 def _setup_update(ctx, inputs, output) -> None:
+    ctx.set_materialize_grads(False)  # x V's gradient is always None: no zero tensor for it
     x, V, codes, U, scaling = inputs
     ctx.save_for_backward(x, V, codes, U, output[1])
     ctx.scaling = scaling
 
 
 def _backward_update(ctx, grad_y, _grad_p):
+    if grad_y is None:
+        return None, None, None, None, None
     x, V, codes, U, P = ctx.saved_tensors
     n = ctx.needs_input_grad
     dx, dv, dcodes, du = lowrank_backward(grad_y, x, V, codes, U, P, ctx.scaling, None, (n[0], n[1], n[2], n[3]))
@@ -150,12 +153,15 @@ def _backward_update(ctx, grad_y, _grad_p):
 
 
 def _setup_linear(ctx, inputs, output) -> None:
+    ctx.set_materialize_grads(False)
     x, weight, _bias, V, codes, U, scaling = inputs
     ctx.save_for_backward(x, weight, V, codes, U, output[1])
     ctx.scaling = scaling
 
 
 def _backward_linear(ctx, grad_y, _grad_p):
+    if grad_y is None:
+        return None, None, None, None, None, None, None
     x, weight, V, codes, U, P = ctx.saved_tensors
     n = ctx.needs_input_grad
     dx, dv, dcodes, du = lowrank_backward(grad_y, x, V, codes, U, P, ctx.scaling, weight, (n[0], n[3], n[4], n[5]))

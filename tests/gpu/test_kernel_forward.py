@@ -263,3 +263,16 @@ def test_gemm_with_the_update_inside_is_the_default_where_it_measured_faster():
         other, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 3)
         assert not torch.equal(fused, other)
         assert torch.equal(auto, fused if expected else other), f"M = {M}, K = N = {K}, r = {r}"
+
+
+def test_default_dispatch_leaves_the_decode_kernels_above_16_tokens():
+    """From 17 to 64 tokens the default is cuBLAS with the update kernel (linear mode 3), bit-equal; the
+    decode kernels stay the default at 16 tokens and can still be asked for above."""
+    for M, expected_mode in ((16, 1), (17, 3), (64, 3)):
+        x, W, b, V, c, U = operands(M, 512, 384, 8, torch.bfloat16, codes=True, seed=M)
+        auto, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 0)
+        decode, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 5)
+        prefill, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 3)
+        expected = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, expected_mode)[0]
+        assert not torch.equal(decode, prefill)
+        assert torch.equal(auto, expected), f"M = {M}"

@@ -38,6 +38,11 @@ enum LinearMode : int64_t {
 };
 // Chosen by measurement at prefill sizes (docs/kernels.md).
 constexpr LinearMode kPrefillMode = kUpdateThenGemm;
+// The decode kernels are the default up to this many tokens. From 17 to 64 tokens (where the streaming
+// kernel does not run) the tiles kernel measured slower than kPrefillMode on an H200: 4096², r = 8, x
+// F.linear: 2.52x against 2.19x at 32 tokens, 3.60x against 1.87x at 64; 4096 x 14336: 3.46x against
+// 1.37x at 64 tokens (docs/kernels.md). Modes 1 and 5 can still be asked for up to kDecodeMaxTokens.
+constexpr int64_t kDecodeAutoMaxTokens = 16;
 
 DType dtype_of(const Tensor& t) {
   switch (t.scalar_type()) {
@@ -333,7 +338,10 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
   const int64_t M = x.size(0), N = U.size(0), K = x.size(1), r = V.size(1);
   const bool fits_decode = tensor_core_dtype(x) && M >= 1 && M <= kDecodeMaxTokens &&
                            (N + kDecodeTileN - 1) / kDecodeTileN <= kMaxDecodeTiles;
-  if (mode == kAuto) mode = fits_decode ? kDecode : gemm_update_suits(x, weight, bias, V, U) ? kGemmUpdate : kPrefillMode;
+  if (mode == kAuto) {
+    const bool decode = fits_decode && M <= kDecodeAutoMaxTokens;
+    mode = decode ? kDecode : gemm_update_suits(x, weight, bias, V, U) ? kGemmUpdate : kPrefillMode;
+  }
   BEM_CHECK(mode >= kDecode && mode <= kGemmUpdate, "unknown linear mode ", mode);
   if (!tensor_core_dtype(x) || M == 0) mode = kGemmThenUpdate;  // float/double: cuBLAS + simple kernels
   const Tensor* bias_ptr = bias.has_value() ? &*bias : nullptr;
@@ -455,9 +463,9 @@ struct StreamEvent {
 };
 
 // The backward at decode sizes: (dX, dV, dcodes, dU) with dX = dY W + s (G ⊙ c) V^T (without W: the
-// update's share alone), dV = s x^T (G ⊙ c), dcodes = s G ⊙ P, dU = s dY^T (P ⊙ c), G = dY U. cuBLAS
-// writes dY W while the first low-rank launch (dU and G's partial sums) runs beside it on a pool
-// stream; the second adds the rest (lowrank_grads.cu). x: (M, K), grad_y: (M, N), weight: (N, K)
+// update's share alone), dV = s x^T (G ⊙ c), dcodes = s G ⊙ P, dU = s dY^T (P ⊙ c), G = dY U. The two
+// low-rank launches (lowrank_grads.cu) run on a pool stream beside cuBLAS's dY W; one addition joins
+// them. On an H200 at M = 1, 4096², the two took 3.7 and 5.0 us against dY W's 10 us. x: (M, K), grad_y: (M, N), weight: (N, K)
 // (any strides) or None, V: (K, r), U: (N, r), P = x V: (M, r) float32, codes: (M, r) or None; M <= 64.
 std::tuple<Tensor, Tensor, Tensor, Tensor> decode_backward(const Tensor& x, const Tensor& grad_y, const OptTensor& weight,
                                                            const Tensor& V, const Tensor& U, const Tensor& P,
@@ -478,7 +486,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> decode_backward(const Tensor& x, cons
               ", ", K, "), got ", weight->sizes());
   }
   const c10::cuda::CUDAGuard guard(x.device());
-  Tensor dX = at::empty({M, K}, x.options());
+  Tensor C = at::empty({M, K}, x.options());  // the update's share of dX
   Tensor dV = at::empty({K, r}, x.options());
   Tensor dcodes = at::empty({M, r}, x.options());
   Tensor dU = at::empty({N, r}, x.options());
@@ -493,28 +501,31 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> decode_backward(const Tensor& x, cons
   args.dV = dV.data_ptr();
   args.dU = dU.data_ptr();
   args.dcodes = dcodes.data_ptr();
-  args.dX = dX.data_ptr();
+  args.C = C.data_ptr();
   args.ws = ws.data_ptr<float>();
   args.M = (int)M;
   args.K = (int)K;
   args.N = (int)N;
   args.r = (int)r;
   args.scale = (float)scale;
-  args.accumulate = weight.has_value();
   if (!weight.has_value()) {
     C10_CUDA_CHECK(launch_lowrank_grads_first(dtype_of(x), args, stream_now()));
-  } else {  // fork: the first launch beside cuBLAS's dY W; join before the second, which adds onto it
-    const cudaStream_t main = stream_now();
-    const cudaStream_t side = c10::cuda::getStreamFromPool(false, x.get_device()).stream();
-    const StreamEvent forked, joined;
-    C10_CUDA_CHECK(cudaEventRecord(forked.event, main));
-    C10_CUDA_CHECK(cudaStreamWaitEvent(side, forked.event, 0));
-    C10_CUDA_CHECK(launch_lowrank_grads_first(dtype_of(x), args, side));
-    at::mm_out(dX, grad_y, *weight);
-    C10_CUDA_CHECK(cudaEventRecord(joined.event, side));
-    C10_CUDA_CHECK(cudaStreamWaitEvent(main, joined.event, 0));
+    C10_CUDA_CHECK(launch_lowrank_grads_second(dtype_of(x), args, stream_now()));
+    return {C, dV, dcodes, dU};
   }
-  C10_CUDA_CHECK(launch_lowrank_grads_second(dtype_of(x), args, stream_now()));
+  // Fork: the low-rank launches beside cuBLAS's dY W; join, then one addition. The pool stream's work
+  // is ordered before everything later on this stream, so the tensors it uses are safe to free after.
+  const cudaStream_t main = stream_now();
+  const cudaStream_t side = c10::cuda::getStreamFromPool(false, x.get_device()).stream();
+  const StreamEvent forked, joined;
+  C10_CUDA_CHECK(cudaEventRecord(forked.event, main));
+  C10_CUDA_CHECK(cudaStreamWaitEvent(side, forked.event, 0));
+  C10_CUDA_CHECK(launch_lowrank_grads_first(dtype_of(x), args, side));
+  C10_CUDA_CHECK(launch_lowrank_grads_second(dtype_of(x), args, side));
+  Tensor dX = at::mm(grad_y, *weight);
+  C10_CUDA_CHECK(cudaEventRecord(joined.event, side));
+  C10_CUDA_CHECK(cudaStreamWaitEvent(main, joined.event, 0));
+  dX.add_(C);
   return {dX, dV, dcodes, dU};
 }
 

@@ -93,11 +93,10 @@ int decode_stream_split(int N, int K, int device);
 cudaError_t launch_decode_stream(DType dtype, const DecodeArgs& args, cudaStream_t stream);
 
 // The backward's low-rank pieces at decode sizes (M <= kDecodeMaxTokens, fp16/bf16), in two launches
-// (the first needs neither dX nor V; the second runs after it and after whatever wrote dX):
-// dU = s dY^T (P ⊙ c) (N x r), dV = s X^T (G ⊙ c) (K x r), dcodes = s G ⊙ P (M x r) and the update's
-// share of dX, s (G ⊙ c) V^T (M x K), added to dX in place (accumulate, e.g. onto dY W) or written;
-// G = dY U is summed in fp32 from partial sums in ws (lowrank_grads_workspace(M, N, r) floats).
-// P = X V in fp32 (M x r), codes M x r or null (all ones). All row-major and contiguous.
+// (the second after the first): dU = s dY^T (P ⊙ c) (N x r), dV = s X^T (G ⊙ c) (K x r),
+// dcodes = s G ⊙ P (M x r) and C = s (G ⊙ c) V^T (M x K, the update's share of dX), with G = dY U summed
+// in fp32 from partial sums in ws (lowrank_grads_workspace(M, N, r) floats). P = X V in fp32 (M x r),
+// codes M x r or null (all ones). All row-major and contiguous.
 struct LowRankGradArgs {
   const void* X;   // M x K
   const void* dY;  // M x N
@@ -108,11 +107,10 @@ struct LowRankGradArgs {
   void* dV;
   void* dU;
   void* dcodes;
-  void* dX;
+  void* C;
   float* ws;
   int M, K, N, r;
   float scale;
-  bool accumulate;
 };
 int64_t lowrank_grads_workspace(int M, int N, int r);
 cudaError_t launch_lowrank_grads_first(DType dtype, const LowRankGradArgs& args, cudaStream_t stream);

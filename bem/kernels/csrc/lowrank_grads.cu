@@ -1,16 +1,15 @@
-// The backward's low-rank pieces at decode sizes (M <= kDecodeMaxTokens), after cuBLAS has written
-// dX = dY W:
+// The backward's low-rank pieces at decode sizes (M <= kDecodeMaxTokens):
 //
-//     G = dY U,   dU = s dY^T (P ⊙ c),   dV = s X^T (G ⊙ c),   dcodes = s G ⊙ P,   dX += s (G ⊙ c) V^T
+//     G = dY U,   dU = s dY^T (P ⊙ c),   dV = s X^T (G ⊙ c),   dcodes = s G ⊙ P,   C = s (G ⊙ c) V^T
 //
-// Two launches, every product on the tensor cores (wmma 16 x 16 x 16, fp32 accumulators). The first
-// does not need dX, so it can run beside the GEMM on another stream; it walks dY's columns in chunks
-// of 128 (rows of U): dU's rows, and G's partial sum over the block's chunks (at most kMaxPartials
-// blocks). The second sums the partials in a fixed order (the result does
-// not depend on timing), then takes 128 columns of X per block: dV's rows and the update's share of dX;
-// one more block writes dcodes. Nothing else waits across blocks. The coefficients s (P|G) ⊙ c are
-// rounded to the operands' dtype, as the composed PyTorch backward does; G and dcodes stay fp32 until
-// written. Before these two, the composed backward was about twenty small launches.
+// where C is the update's share of dX (the caller adds dY W). Two launches, every product on the tensor
+// cores (wmma 16 x 16 x 16, fp32 accumulators); neither needs dY W, so both can run beside cuBLAS on
+// another stream. The first walks dY's columns in chunks of 128 (rows of U): dU's rows, and G's partial
+// sum over the block's chunks (at most kMaxPartials blocks). The second sums the partials in a fixed
+// order (the result does not depend on timing), then takes 128 columns of X per block: dV's rows and
+// C's columns; one more block writes dcodes. Nothing else waits across blocks. The coefficients
+// s (P|G) ⊙ c are rounded to the operands' dtype, as the composed PyTorch backward does; G and dcodes
+// stay fp32 until written. Before these two, the composed backward was about twenty small launches.
 #include "common.cuh"
 #include "launchers.h"
 
@@ -42,14 +41,14 @@ struct GradFlags {
 // Shared-memory plan of both launches (MP = M and RQ = r rounded up to 16; rows padded by kPad).
 struct Plan {
   int MP, RQ, ld_s, ld_w, ld_c;
-  int slice_bytes, rows_bytes, coef_bytes;  // the second launch also stages dX's columns: another slice
+  int slice_bytes, rows_bytes, coef_bytes;
   __host__ __device__ Plan(int M, int r)
       : MP(round_up(M, 16)), RQ(round_up(r, 16)), ld_s(kRows + kPad), ld_w(round_up(r, 16) + kPad),
         ld_c(round_up(r, 16) + kPad), slice_bytes(round_up(MP * ld_s * 2, 128)),
         rows_bytes(round_up(kRows * ld_w * 2, 128)), coef_bytes(round_up(MP * ld_c * 2, 128)) {}
   static constexpr int stage_ld = 16 + 4;
   static constexpr int stage_bytes = kWarps * 16 * stage_ld * 4;
-  __host__ __device__ int bytes() const { return 2 * slice_bytes + rows_bytes + coef_bytes + stage_bytes; }
+  __host__ __device__ int bytes() const { return slice_bytes + rows_bytes + coef_bytes + stage_bytes; }
 };
 
 // slice[m][c] = A[m][row0 + c] (A: M x rows, row-major) for m < MP, c < kRows; zeros outside. The
@@ -131,14 +130,12 @@ struct Smem {
   T* rows;   // kRows x RQ of U or V
   T* coef;   // MP x RQ: s (P|G) ⊙ c in T, zero padded
   float* stage;  // the warp's 16 x 16 accumulator tile
-  T* dx;     // MP x kRows of dX (second launch, accumulating)
   __device__ Smem(unsigned char* base, const Plan& pl)
       : slice(reinterpret_cast<T*>(base)),
         rows(reinterpret_cast<T*>(base + pl.slice_bytes)),
         coef(reinterpret_cast<T*>(base + pl.slice_bytes + pl.rows_bytes)),
         stage(reinterpret_cast<float*>(base + pl.slice_bytes + pl.rows_bytes + pl.coef_bytes) +
-              (threadIdx.x / 32) * 16 * Plan::stage_ld),
-        dx(reinterpret_cast<T*>(base + pl.slice_bytes + pl.rows_bytes + pl.coef_bytes + Plan::stage_bytes)) {}
+              (threadIdx.x / 32) * 16 * Plan::stage_ld) {}
 };
 
 // First launch: dU, and this block's partial sum of G (MP x RQ fp32) into ws.
@@ -197,7 +194,7 @@ __global__ void __launch_bounds__(kThreads) grads_u_kernel(LowRankGradArgs p, Gr
   }
 }
 
-// Second launch: G from the partials, then dV and the update's share of dX (the last block: dcodes).
+// Second launch: G from the partials, then dV and C (the last block: dcodes).
 template <typename T>
 __global__ void __launch_bounds__(kThreads) grads_v_kernel(LowRankGradArgs p, GradFlags f) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -207,10 +204,9 @@ __global__ void __launch_bounds__(kThreads) grads_v_kernel(LowRankGradArgs p, Gr
   const T* codes = static_cast<const T*>(p.codes);
   const bool dcodes_block = (int)blockIdx.x == f.v_blocks;
   const int row0 = blockIdx.x * kRows;
-  if (!dcodes_block) {  // X's and V's rows and dX's columns travel while G is summed
+  if (!dcodes_block) {  // X's columns and V's rows travel while G is summed
     stage_slice(s.slice, pl.ld_s, static_cast<const T*>(p.X), M, pl.MP, p.K, row0, f.vec_x);
     stage_rows(s.rows, pl.ld_w, static_cast<const T*>(p.V), p.K, r, pl.RQ, row0, f.vec_v);
-    if (p.accumulate) stage_slice(s.dx, pl.ld_s, static_cast<const T*>(p.dX), M, pl.MP, p.K, row0, f.vec_x);
     cp_async_commit();
   }
 
@@ -241,8 +237,8 @@ __global__ void __launch_bounds__(kThreads) grads_v_kernel(LowRankGradArgs p, Gr
   __syncthreads();
   write_grad_rows(static_cast<T*>(p.dV), s.slice, s.coef, s.stage, pl, p.K, r, row0, f.vec_out);
 
-  // dX[:, the warp's 16 columns] (+)= coef · V rows^T, 16 tokens at a time
-  T* dX = static_cast<T*>(p.dX);
+  // C[:, the warp's 16 columns] = coef · V rows^T, 16 tokens at a time
+  T* C = static_cast<T*>(p.C);
   const int k0 = row0 + 16 * warp;
   for (int mt = 0; mt < pl.MP / 16; ++mt) {
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
@@ -256,13 +252,9 @@ __global__ void __launch_bounds__(kThreads) grads_v_kernel(LowRankGradArgs p, Gr
     }
     wmma::store_matrix_sync(s.stage, acc, Plan::stage_ld, wmma::mem_col_major);  // stage[m][k]
     __syncwarp();
-    for (int i = lane; i < 256; i += 32) {  // half a warp per token: 16 consecutive columns of dX
+    for (int i = lane; i < 256; i += 32) {  // half a warp per token: 16 consecutive columns of C
       const int m = mt * 16 + i / 16, k = k0 + i % 16;
-      if (m < M && k < p.K) {
-        const float v = s.stage[(i / 16) * Plan::stage_ld + i % 16];
-        const float base = p.accumulate ? to_acc(s.dx[m * pl.ld_s + k - row0]) : 0.f;
-        dX[(size_t)m * p.K + k] = from_acc<T>(base + v);
-      }
+      if (m < M && k < p.K) C[(size_t)m * p.K + k] = from_acc<T>(s.stage[(i / 16) * Plan::stage_ld + i % 16]);
     }
     __syncwarp();
   }
@@ -286,7 +278,7 @@ GradFlags grad_flags(const LowRankGradArgs& a) {
   f.u_chunks = (a.N + kRows - 1) / kRows;
   f.u_blocks = lowrank_grads_partials_of(a.N);
   f.v_blocks = (a.K + kRows - 1) / kRows;
-  f.vec_x = a.K % 8 == 0 && aligned16(a.X) && aligned16(a.dX);
+  f.vec_x = a.K % 8 == 0 && aligned16(a.X);
   f.vec_dy = a.N % 8 == 0 && aligned16(a.dY);
   f.vec_u = a.r % 8 == 0 && aligned16(a.U);
   f.vec_v = a.r % 8 == 0 && aligned16(a.V);
