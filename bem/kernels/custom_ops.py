@@ -5,6 +5,7 @@ autograd formulas. Ops are registered whether or not the extension loaded; only 
     bem::fused_bem_linear(x, W, b, V, codes, U, s) -> (x W^T + b + s ((x V) ⊙ codes) U^T, x V)
     bem::lowrank_project(a, b)                     -> a b            (the backward's dY U)
     bem::decode_backward(x, dY, W, V, U, P, codes, s) -> (dX, dV, dcodes, dU) for 1..64 rows
+    bem::backward_coefficients(G, P, codes, s, dtype) -> (s G ⊙ c, s P ⊙ c, s G ⊙ P) in dtype
 
 x is (M, K), V (K, r), U (N, r), codes (M, r) or None, W (N, K) (row-major or a transposed view).
 The second output, x V in float32 (float64 for float64 inputs), is what the backward reuses.
@@ -60,6 +61,16 @@ def lowrank_project(a: Tensor, b: Tensor) -> Tensor:
     return _extension().project(a, b)
 
 
+@torch.library.custom_op("bem::backward_coefficients", mutates_args=())
+def backward_coefficients(
+    G: Tensor, P: Tensor, codes: Optional[Tensor], scaling: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    if dtype in (torch.float16, torch.bfloat16):
+        return tuple(_extension().backward_coefficients(G, P, codes, scaling, dtype))
+    c = 1.0 if codes is None else codes.to(G.dtype)
+    return (G * c * scaling).to(dtype), (P * c * scaling).to(dtype), (G * P * scaling).to(dtype)
+
+
 @torch.library.custom_op("bem::decode_backward", mutates_args=())
 def decode_backward(
     x: Tensor, grad_y: Tensor, weight: Optional[Tensor], V: Tensor, U: Tensor, P: Tensor, codes: Optional[Tensor],
@@ -81,6 +92,11 @@ def _(x, weight, bias, V, codes, U, scaling):
 @lowrank_project.register_fake
 def _(a, b):
     return a.new_empty(a.shape[0], b.shape[1], dtype=_p_dtype(a))
+
+
+@backward_coefficients.register_fake
+def _(G, P, codes, scaling, dtype):
+    return G.new_empty(G.shape, dtype=dtype), P.new_empty(P.shape, dtype=dtype), G.new_empty(G.shape, dtype=dtype)
 
 
 @decode_backward.register_fake
@@ -119,21 +135,18 @@ def lowrank_backward(
     grad_y = grad_y.contiguous()
     if _decode_sized(grad_y, V):
         return _decode_backward(grad_y, x, V, codes, U, P, scaling, weight, needs)
-    dx = dv = dcodes = du = None
-    if need_x or need_v or need_codes:
-        G = lowrank_project(grad_y, U)  # (M, r), fp32: one pass over dY
-        Gc = G if codes is None else G * codes.to(G.dtype)
-        if need_x:
-            low = (Gc * scaling).to(dtype)
-            dx = low @ V.t() if weight is None else torch.addmm(grad_y @ weight, low, V.t())
-        if need_v:
-            dv = x.t() @ (Gc * scaling).to(dtype)
-        if need_codes:
-            dcodes = (G * P * scaling).to(dtype)
-    if need_u:
-        Pc = P if codes is None else P * codes.to(P.dtype)
-        du = grad_y.t() @ (Pc * scaling).to(dtype)
-    return dx, dv, dcodes, du
+    # dX = dY W + s (G ⊙ c) V^T has the forward's form with W^T, U and V in the roles of W, V and U: the
+    # forward's dispatch gives dX and G = dY U together, adding dY W in the GEMM's epilogue (beta = 1).
+    if need_x and weight is None:
+        dx, G = fused_generated_update(grad_y, U, codes, V, scaling)
+    elif need_x:
+        dx, G = fused_bem_linear(grad_y, weight.t(), None, U, codes, V, scaling)
+    else:
+        dx, G = None, lowrank_project(grad_y, U) if need_v or need_codes else P
+    low, pc, dcodes = backward_coefficients(G, P, codes, scaling, dtype)
+    dv = x.t() @ low if need_v else None
+    du = grad_y.t() @ pc if need_u else None
+    return dx, dv, dcodes if need_codes else None, du
 
 
 def _setup_update(ctx, inputs, output) -> None:

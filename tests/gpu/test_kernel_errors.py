@@ -138,3 +138,20 @@ def test_decode_backward_rejects_more_rows_than_decode_sizes_and_rank_over_128()
         custom_ops._C.decode_backward(*_grad_args(M=65), 1.0)
     with pytest.raises(ValueError, match=r"rank 129 exceeds the kernels' maximum of 128"):
         custom_ops._C.decode_backward(*_grad_args(r=129), 1.0)
+
+
+def test_backward_coefficients_rejects():
+    G = torch.randn(5, 8, device="cuda")
+    P = torch.randn(5, 8, device="cuda")
+    c = torch.randn(5, 8, device="cuda", dtype=torch.bfloat16)
+    cases = [
+        ((G, P, c, 1.0, torch.float32), "float16 or bfloat16"),
+        ((G.bfloat16(), P, c, 1.0, torch.bfloat16), "G must be float32"),
+        ((G, P[:, :4].contiguous(), c, 1.0, torch.bfloat16), r"P must be \(M, r\)"),
+        ((G, P, c.half(), 1.0, torch.bfloat16), "codes has dtype"),
+        ((G, P, c[:4].contiguous(), 1.0, torch.bfloat16), "codes must be"),
+        ((G.cpu(), P, c, 1.0, torch.bfloat16), "G must be a CUDA tensor"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            custom_ops._C.backward_coefficients(*args)

@@ -529,6 +529,32 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> decode_backward(const Tensor& x, cons
   return {dX, dV, dcodes, dU};
 }
 
+// (s G ⊙ c, s P ⊙ c, s G ⊙ P) in dtype (float16 or bfloat16) from float32 G and P (M, r) and codes (M, r)
+// of that dtype or None: the backward's coefficients for dV, dU and dcodes, in one pass.
+std::tuple<Tensor, Tensor, Tensor> backward_coefficients(const Tensor& G, const Tensor& P, const OptTensor& codes,
+                                                         double scale, at::ScalarType dtype) {
+  BEM_CHECK(G.is_cuda(), "G must be a CUDA tensor, got one on ", G.device());
+  BEM_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, "the coefficients are float16 or bfloat16, got ", dtype);
+  BEM_CHECK(G.dim() == 2, "G must be (M, r), got shape ", G.sizes());
+  check_p_like(G, "G", G, G.size(0), G.size(1));
+  check_p_like(P, "P", G, G.size(0), G.size(1));
+  if (codes.has_value()) {
+    BEM_CHECK(codes->device() == G.device(), "codes is on ", codes->device(), " but G is on ", G.device());
+    BEM_CHECK(codes->scalar_type() == dtype, "codes has dtype ", codes->scalar_type(), " but the coefficients are ",
+              dtype);
+    check_contiguous(*codes, "codes");
+    BEM_CHECK(codes->sizes() == G.sizes(), "codes must be (M, r) = ", G.sizes(), ", got ", codes->sizes());
+  }
+  const c10::cuda::CUDAGuard guard(G.device());
+  const auto options = G.options().dtype(dtype);
+  Tensor g_c = at::empty(G.sizes(), options), p_c = at::empty(G.sizes(), options), g_p = at::empty(G.sizes(), options);
+  C10_CUDA_CHECK(launch_backward_coefficients(dtype == at::kHalf ? DType::kHalf : DType::kBFloat16,
+                                              G.data_ptr<float>(), P.data_ptr<float>(),
+                                              codes.has_value() ? codes->data_ptr() : nullptr, g_c.data_ptr(),
+                                              p_c.data_ptr(), g_p.data_ptr(), G.numel(), (float)scale, stream_now()));
+  return {g_c, p_c, g_p};
+}
+
 // Whether this build and the current device run the GEMM with the update inside (linear mode 6).
 bool fused_gemm_available() {
   int device = 0;
@@ -552,6 +578,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(dX, dV, dcodes, dU) of the BEM linear (weight given) or of the update, for 1..64 rows",
         py::arg("x"), py::arg("grad_y"), py::arg("weight"), py::arg("V"), py::arg("U"), py::arg("P"), py::arg("codes"),
         py::arg("scaling"));
+  m.def("backward_coefficients", &bem::backward_coefficients,
+        "(s G ⊙ codes, s P ⊙ codes, s G ⊙ P) in dtype from float32 G and P", py::arg("G"), py::arg("P"),
+        py::arg("codes"), py::arg("scaling"), py::arg("dtype"));
   m.def("fused_gemm_available", &bem::fused_gemm_available,
         "whether the GEMM with the update inside (linear mode 6, sm_90a) runs on the current device");
   m.attr("DECODE_MAX_TOKENS") = bem::kDecodeMaxTokens;

@@ -46,6 +46,11 @@ cudaError_t launch_lowrank_update(DType dtype, const LowRankArgs& args, cudaStre
 cudaError_t launch_scale_codes(DType dtype, const float* P, const void* codes, void* out, int64_t count, float scale,
                                cudaStream_t stream);
 
+// The backward's coefficients in fp16/bf16 from fp32 G = dY U and P = x V (count values each; codes of
+// that dtype or null for all ones): g_c = s G ⊙ codes, p_c = s P ⊙ codes, g_p = s G ⊙ P.
+cudaError_t launch_backward_coefficients(DType dtype, const float* G, const float* P, const void* codes, void* g_c,
+                                         void* p_c, void* g_p, int64_t count, float scale, cudaStream_t stream);
+
 // The streaming update kernel (fp16/bf16, prefill sizes): takes B^T in args.Bt (16-byte aligned), and
 // lowrank_stream_fits says whether the rest of the call suits it (L and r multiples of 8, r <=
 // kStreamMaxRank, A and U 16-byte aligned, no P_in, stream_tokens 0, 16, 32 or 64 (64 up to rank 32)).

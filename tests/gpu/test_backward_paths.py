@@ -1,5 +1,7 @@
-"""The backward at decode sizes (cuBLAS dY W, then two small kernels for G = dY U, dU, dV, dcodes and
-the update's share of dX) against float64, for every combination of gradients asked for."""
+"""The backward's two paths against float64, for every combination of gradients asked for: decode sizes
+(cuBLAS dY W beside two small kernels for G = dY U, dU, dV, dcodes and the update's share of dX) and
+prefill sizes (dX and G from the forward's dispatch run on dY, W^T, U and V; one coefficient kernel;
+cuBLAS dV and dU)."""
 
 from __future__ import annotations
 
@@ -131,3 +133,57 @@ def test_decode_backward_in_a_cuda_graph():
         for name, g_graph, g_eager in zip(("x", "V", "codes", "U"), static, eager):
             # the same kernels on the same inputs; a stale or partial replay would differ by O(1)
             assert rel_err(g_graph, g_eager.double()) < 1e-2, f"d{name} differs between graph replay and eager"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,K,N,r", [(65, 256, 200, 8), (300, 136, 264, 13), (1100, 512, 384, 16),
+                                     (2048, 256, 512, 32), (1030, 96, 80, 64)])
+@pytest.mark.parametrize("op", ["linear", "linear_conv1d", "update"])
+@pytest.mark.parametrize("needs", ["all", "no_x", "only_u"])
+def test_prefill_backward_matches_float64(dtype, M, K, N, r, op, needs, monkeypatch):
+    """Above 64 rows: the streaming update kernel (1100 rows, r = 16), two cuBLAS GEMMs (2048, r = 32),
+    the tiles kernel (odd sizes), under W^T as the forward's weight."""
+    calls = []
+    real = custom_ops.backward_coefficients
+    monkeypatch.setattr(custom_ops, "backward_coefficients", lambda *a: calls.append(1) or real(*a))
+    x, W, b, V, c, U = operands(M, K, N, r, dtype, codes=True, seed=stable_seed(dtype, M, K, N, r, op, needs))
+    if op == "linear_conv1d":
+        W = W.t().contiguous().t()
+    wants = {"all": (True, True, True, True), "no_x": (False, True, True, True),
+             "only_u": (False, False, False, True)}[needs]
+
+    def make(module, w, bias):
+        if op == "update":
+            return lambda x, V, c, U: module.generated_update(x, V, c, U, 0.8)
+        return lambda x, V, c, U: module.bem_linear(x, w, bias, V, c, U, 0.8)
+
+    dy = torch.randn(M, N, device="cuda", generator=torch.Generator(device="cuda").manual_seed(M)).to(dtype)
+    leaves = [t.detach().requires_grad_(want) for t, want in zip((x, V, c, U), wants)]
+    ref_leaves = [t.detach().double().requires_grad_(want) for t, want in zip(leaves, wants)]
+    ref = _grads(make(reference, W.double(), b.double()), ref_leaves, dy.double())
+    torch_grads = _grads(make(reference, W, b), leaves, dy)
+    poison_allocator(x.device, (M + K + N) * r + M * max(K, N))
+    kernel_grads = _grads(make(ops, W, b), leaves, dy)
+    assert calls, "the prefill backward did not run"
+    for name, want, k, t, r64 in zip(("x", "V", "codes", "U"), wants, kernel_grads, torch_grads, ref):
+        if not want:
+            assert k is None, f"d{name} computed though not asked for"
+            continue
+        torch_err = rel_err(t, r64)
+        assert rel_err(k, r64) <= bound(torch_err, dtype), f"d{name}: {rel_err(k, r64):.3g} vs torch {torch_err:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_codes", [True, False])
+def test_backward_coefficients_match_float64(dtype, with_codes):
+    g = torch.Generator(device="cuda").manual_seed(3)
+    M, r, s = 777, 13, 1.7
+    G, P = torch.randn(M, r, device="cuda", generator=g), torch.randn(M, r, device="cuda", generator=g)
+    c = (1 + 0.5 * torch.randn(M, r, device="cuda", generator=g)).to(dtype) if with_codes else None
+    poison_allocator(G.device, 3 * M * r)
+    g_c, p_c, g_p = custom_ops._C.backward_coefficients(G, P, c, s, dtype)
+    c64 = 1.0 if c is None else c.double()
+    for out, ref in ((g_c, s * G.double() * c64), (p_c, s * P.double() * c64), (g_p, s * G.double() * P.double())):
+        assert out.dtype == dtype
+        # one rounding of an fp32 product to the dtype
+        assert rel_err(out, ref) <= torch.finfo(dtype).eps, rel_err(out, ref)
