@@ -208,3 +208,32 @@ def test_jit_arch_list(monkeypatch, set_list, capability, expected):
         monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", set_list)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
     assert loader._jit_arch_list() == expected
+
+
+@pytest.mark.parametrize("with_codes", [True, False])
+def test_backward_coefficients_outside_half_precision_are_plain_torch(with_codes):
+    """float32/float64 take the PyTorch formulas (the kernel is fp16/bf16 only); the fake op's shapes agree."""
+    from bem.kernels import custom_ops
+
+    g = torch.Generator().manual_seed(1)
+    G, P = torch.randn(5, 3, generator=g), torch.randn(5, 3, generator=g)
+    codes = torch.randn(5, 3, generator=g) if with_codes else None
+    c = torch.ones(5, 3) if codes is None else codes
+    g_c, p_c, g_p = custom_ops.backward_coefficients(G, P, codes, 0.5, torch.float64)
+    assert all(t.dtype == torch.float64 for t in (g_c, p_c, g_p))
+    torch.testing.assert_close(g_c, (0.5 * G * c).double())
+    torch.testing.assert_close(p_c, (0.5 * P * c).double())
+    torch.testing.assert_close(g_p, (0.5 * G * P).double())
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        fakes = custom_ops.backward_coefficients(torch.empty(7, 4), torch.empty(7, 4), None, 1.0, torch.bfloat16)
+    assert [tuple(t.shape) for t in fakes] == [(7, 4)] * 3 and all(t.dtype == torch.bfloat16 for t in fakes)
+
+
+def test_decode_backward_fake_shapes():
+    from bem.kernels import custom_ops
+
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        x, dy = torch.empty(3, 40, dtype=torch.bfloat16), torch.empty(3, 24, dtype=torch.bfloat16)
+        V, U = torch.empty(40, 8, dtype=torch.bfloat16), torch.empty(24, 8, dtype=torch.bfloat16)
+        outs = custom_ops.decode_backward(x, dy, None, V, U, torch.empty(3, 8), None, 1.0)
+    assert [tuple(t.shape) for t in outs] == [(3, 40), (40, 8), (3, 8), (24, 8)]
