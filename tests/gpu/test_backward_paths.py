@@ -56,6 +56,39 @@ def _grads(fn, leaves, dy):
     return [t.grad for t in leaves]
 
 
+WANTS = {"all": (True, True, True, True), "no_x": (False, True, True, True),
+         "no_codes": (True, True, False, True), "only_u": (False, False, False, True)}
+
+
+def _check_gradients(op, M, K, N, r, dtype, needs, scale, seed, path_name, calls):
+    """Gradients of the fused op (leaves x, V, codes, U as `needs` asks) against float64 and PyTorch in
+    the same dtype; `calls` must have been filled by the path under test."""
+    x, W, b, V, c, U = operands(M, K, N, r, dtype, codes=True, seed=seed)
+    if op == "linear_conv1d":
+        W = W.t().contiguous().t()  # GPT-2 Conv1D: the transposed view of a (K, N) buffer
+    wants = WANTS[needs]
+
+    def make(module, w, bias):
+        if op == "update":
+            return lambda x, V, c, U: module.generated_update(x, V, c, U, scale)
+        return lambda x, V, c, U: module.bem_linear(x, w, bias, V, c, U, scale)
+
+    dy = torch.randn(M, N, device="cuda", generator=torch.Generator(device="cuda").manual_seed(M)).to(dtype)
+    leaves = [t.detach().requires_grad_(want) for t, want in zip((x, V, c, U), wants)]
+    ref_leaves = [t.detach().double().requires_grad_(want) for t, want in zip(leaves, wants)]
+    ref = _grads(make(reference, W.double(), b.double()), ref_leaves, dy.double())
+    torch_grads = _grads(make(reference, W, b), leaves, dy)
+    poison_allocator(x.device, (M + K + N) * r + M * max(K, N))
+    kernel_grads = _grads(make(ops, W, b), leaves, dy)
+    assert calls, f"the {path_name} backward did not run"
+    for name, want, k, t, r64 in zip(("x", "V", "codes", "U"), wants, kernel_grads, torch_grads, ref):
+        if not want:
+            assert k is None, f"d{name} computed though not asked for"
+            continue
+        torch_err = rel_err(t, r64)
+        assert rel_err(k, r64) <= bound(torch_err, dtype), f"d{name}: {rel_err(k, r64):.3g} vs torch {torch_err:.3g}"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("M,K,N,r", [(1, 256, 512, 8), (16, 520, 264, 32), (64, 128, 96, 64), (3, 96, 200, 128),
                                      (9, 77, 45, 3)])
@@ -66,31 +99,7 @@ def test_decode_backward_matches_float64(dtype, M, K, N, r, op, needs, monkeypat
     calls = []
     real = custom_ops._decode_backward
     monkeypatch.setattr(custom_ops, "_decode_backward", lambda *a: calls.append(1) or real(*a))
-    x, W, b, V, c, U = operands(M, K, N, r, dtype, codes=True, seed=stable_seed(dtype, M, K, N, r, op, needs))
-    if op == "linear_conv1d":
-        W = W.t().contiguous().t()  # GPT-2 Conv1D: the transposed view of a (K, N) buffer
-    wants = {"all": (True, True, True, True), "no_x": (False, True, True, True),
-             "no_codes": (True, True, False, True), "only_u": (False, False, False, True)}[needs]
-
-    def make(module, w, bias):
-        if op == "update":
-            return lambda x, V, c, U: module.generated_update(x, V, c, U, 1.3)
-        return lambda x, V, c, U: module.bem_linear(x, w, bias, V, c, U, 1.3)
-
-    dy = torch.randn(M, N, device="cuda", generator=torch.Generator(device="cuda").manual_seed(M)).to(dtype)
-    leaves = [t.detach().requires_grad_(want) for t, want in zip((x, V, c, U), wants)]
-    ref_leaves = [t.detach().double().requires_grad_(want) for t, want in zip(leaves, wants)]
-    ref = _grads(make(reference, W.double(), b.double()), ref_leaves, dy.double())
-    torch_grads = _grads(make(reference, W, b), leaves, dy)
-    poison_allocator(x.device, (M + K + N) * max(r, M))
-    kernel_grads = _grads(make(ops, W, b), leaves, dy)
-    assert calls, "the decode-size backward did not run"
-    for name, want, k, t, r64 in zip(("x", "V", "codes", "U"), wants, kernel_grads, torch_grads, ref):
-        if not want:
-            assert k is None, f"d{name} computed though not asked for"
-            continue
-        torch_err = rel_err(t, r64)
-        assert rel_err(k, r64) <= bound(torch_err, dtype), f"d{name}: {rel_err(k, r64):.3g} vs torch {torch_err:.3g}"
+    _check_gradients(op, M, K, N, r, dtype, needs, 1.3, stable_seed(dtype, M, K, N, r, op, needs), "decode-size", calls)
 
 
 def test_decode_backward_is_not_taken_above_decode_sizes(monkeypatch):
@@ -146,31 +155,7 @@ def test_prefill_backward_matches_float64(dtype, M, K, N, r, op, needs, monkeypa
     calls = []
     real = custom_ops.backward_coefficients
     monkeypatch.setattr(custom_ops, "backward_coefficients", lambda *a: calls.append(1) or real(*a))
-    x, W, b, V, c, U = operands(M, K, N, r, dtype, codes=True, seed=stable_seed(dtype, M, K, N, r, op, needs))
-    if op == "linear_conv1d":
-        W = W.t().contiguous().t()
-    wants = {"all": (True, True, True, True), "no_x": (False, True, True, True),
-             "only_u": (False, False, False, True)}[needs]
-
-    def make(module, w, bias):
-        if op == "update":
-            return lambda x, V, c, U: module.generated_update(x, V, c, U, 0.8)
-        return lambda x, V, c, U: module.bem_linear(x, w, bias, V, c, U, 0.8)
-
-    dy = torch.randn(M, N, device="cuda", generator=torch.Generator(device="cuda").manual_seed(M)).to(dtype)
-    leaves = [t.detach().requires_grad_(want) for t, want in zip((x, V, c, U), wants)]
-    ref_leaves = [t.detach().double().requires_grad_(want) for t, want in zip(leaves, wants)]
-    ref = _grads(make(reference, W.double(), b.double()), ref_leaves, dy.double())
-    torch_grads = _grads(make(reference, W, b), leaves, dy)
-    poison_allocator(x.device, (M + K + N) * r + M * max(K, N))
-    kernel_grads = _grads(make(ops, W, b), leaves, dy)
-    assert calls, "the prefill backward did not run"
-    for name, want, k, t, r64 in zip(("x", "V", "codes", "U"), wants, kernel_grads, torch_grads, ref):
-        if not want:
-            assert k is None, f"d{name} computed though not asked for"
-            continue
-        torch_err = rel_err(t, r64)
-        assert rel_err(k, r64) <= bound(torch_err, dtype), f"d{name}: {rel_err(k, r64):.3g} vs torch {torch_err:.3g}"
+    _check_gradients(op, M, K, N, r, dtype, needs, 0.8, stable_seed(dtype, M, K, N, r, op, needs), "prefill", calls)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

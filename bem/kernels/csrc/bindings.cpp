@@ -1,5 +1,5 @@
-// Torch bindings of the BEM kernels: argument checks (before any launch), allocation, and the choice
-// between the decode kernel and the GEMM + update paths. Exposed to Python as bem._C.
+// Torch bindings of the BEM kernels: the forward's choice between the decode kernels and the GEMM +
+// update paths, and allocation; the module bem._C (the backward's own ops are in backward_ops.cpp).
 #include <torch/extension.h>
 
 #include <c10/cuda/CUDAException.h>
@@ -12,19 +12,12 @@
 #include <stdexcept>
 #include <vector>
 
+#include "backward_ops.h"
 #include "launchers.h"
+#include "torch_checks.h"
 
 namespace bem {
 namespace {
-
-using at::Tensor;
-using OptTensor = c10::optional<Tensor>;
-
-// Argument checks raise ValueError (std::invalid_argument) with the message, before any launch.
-#define BEM_CHECK(cond, ...)                                                   \
-  do {                                                                         \
-    if (!(cond)) throw std::invalid_argument(c10::str("bem: ", __VA_ARGS__)); \
-  } while (0)
 
 // How bem_linear_forward composes x W^T with the update (mode argument; 0 picks by shape).
 enum LinearMode : int64_t {
@@ -43,65 +36,6 @@ constexpr LinearMode kPrefillMode = kUpdateThenGemm;
 // F.linear: 2.52x against 2.19x at 32 tokens, 3.60x against 1.87x at 64; 4096 x 14336: 3.46x against
 // 1.37x at 64 tokens (docs/kernels.md). Modes 1 and 5 can still be asked for up to kDecodeMaxTokens.
 constexpr int64_t kDecodeAutoMaxTokens = 16;
-
-DType dtype_of(const Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kHalf: return DType::kHalf;
-    case at::kBFloat16: return DType::kBFloat16;
-    case at::kFloat: return DType::kFloat;
-    case at::kDouble: return DType::kDouble;
-    default: break;
-  }
-  BEM_CHECK(false, "unsupported dtype ", t.scalar_type(), " (expected float16, bfloat16, float32 or float64)");
-  return DType::kFloat;
-}
-
-bool tensor_core_dtype(const Tensor& t) { return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16; }
-
-void check_like(const Tensor& t, const char* name, const Tensor& x) {
-  BEM_CHECK(t.device() == x.device(), "", name, " is on ", t.device(), " but x is on ", x.device());
-  BEM_CHECK(t.scalar_type() == x.scalar_type(), "", name, " has dtype ", t.scalar_type(), " but x has ",
-              x.scalar_type());
-}
-
-void check_contiguous(const Tensor& t, const char* name) {
-  BEM_CHECK(t.is_contiguous(), "", name, " must be contiguous; got sizes ", t.sizes(), " strides ",
-              t.strides());
-}
-
-// x: (M, K), V: (K, r), codes: (M, r) or None, U: (N, r).
-void check_update_operands(const Tensor& x, const Tensor& V, const OptTensor& codes, const Tensor& U) {
-  BEM_CHECK(x.is_cuda(), "x must be a CUDA tensor, got one on ", x.device());
-  BEM_CHECK(x.dim() == 2, "x must be 2-D (M, K), got shape ", x.sizes());
-  BEM_CHECK(V.dim() == 2, "V must be 2-D (K, r), got shape ", V.sizes());
-  BEM_CHECK(U.dim() == 2, "U must be 2-D (N, r), got shape ", U.sizes());
-  dtype_of(x);
-  check_like(V, "V", x);
-  check_like(U, "U", x);
-  check_contiguous(x, "x");
-  check_contiguous(V, "V");
-  check_contiguous(U, "U");
-  BEM_CHECK(V.size(0) == x.size(1), "V has ", V.size(0), " rows but x has K = ", x.size(1), " features");
-  BEM_CHECK(U.size(1) == V.size(1), "U has rank ", U.size(1), " but V has rank ", V.size(1));
-  BEM_CHECK(V.size(1) >= 1, "rank must be at least 1");
-  BEM_CHECK(x.size(0) < INT_MAX && x.size(1) < INT_MAX && U.size(0) < INT_MAX,
-              "dimensions must be below 2^31, got x ", x.sizes(), " and U ", U.sizes());
-  if (tensor_core_dtype(x)) {
-    BEM_CHECK(V.size(1) <= kMaxFusedRank, "rank ", V.size(1), " exceeds the kernels' maximum of ",
-                kMaxFusedRank, " for ", x.scalar_type());
-  }
-  if (codes.has_value()) {
-    const Tensor& c = *codes;
-    check_like(c, "codes", x);
-    check_contiguous(c, "codes");
-    BEM_CHECK(c.dim() == 2 && c.size(0) == x.size(0) && c.size(1) == V.size(1), "codes must be (M, r) = (",
-                x.size(0), ", ", V.size(1), "), got ", c.sizes());
-  }
-}
-
-at::ScalarType p_dtype(const Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
-
-cudaStream_t stream_now() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
 // A device attribute, read once per device (decode calls are host-bound: no driver query per call).
 int device_attribute(cudaDeviceAttr attribute, int device) {
@@ -442,117 +376,6 @@ std::tuple<Tensor, Tensor> linear_forward(const Tensor& x, const Tensor& weight,
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = Y.size(1);
   return {Y.view(shape), P};
-}
-
-void check_p_like(const Tensor& t, const char* name, const Tensor& x, int64_t M, int64_t r) {
-  BEM_CHECK(t.device() == x.device(), "", name, " is on ", t.device(), " but x is on ", x.device());
-  BEM_CHECK(t.scalar_type() == at::kFloat, "", name, " must be float32, got ", t.scalar_type());
-  check_contiguous(t, name);
-  BEM_CHECK(t.dim() == 2 && t.size(0) == M && t.size(1) == r, "", name, " must be (M, r) = (", M, ", ", r,
-            "), got ", t.sizes());
-}
-
-// An event for ordering two streams (no timing), destroyed with the scope: the driver keeps it alive
-// until the work recorded into it is done. Works inside a CUDA-graph capture (fork and join).
-struct StreamEvent {
-  cudaEvent_t event = nullptr;
-  StreamEvent() { C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming)); }
-  ~StreamEvent() { cudaEventDestroy(event); }
-  StreamEvent(const StreamEvent&) = delete;
-  StreamEvent& operator=(const StreamEvent&) = delete;
-};
-
-// The backward at decode sizes: (dX, dV, dcodes, dU) with dX = dY W + s (G ⊙ c) V^T (without W: the
-// update's share alone), dV = s x^T (G ⊙ c), dcodes = s G ⊙ P, dU = s dY^T (P ⊙ c), G = dY U. The two
-// low-rank launches (lowrank_grads.cu) run on a pool stream beside cuBLAS's dY W; one addition joins
-// them. On an H200 at M = 1, 4096², the two took 3.7 and 5.0 us against dY W's 10 us. x: (M, K), grad_y: (M, N), weight: (N, K)
-// (any strides) or None, V: (K, r), U: (N, r), P = x V: (M, r) float32, codes: (M, r) or None; M <= 64.
-std::tuple<Tensor, Tensor, Tensor, Tensor> decode_backward(const Tensor& x, const Tensor& grad_y, const OptTensor& weight,
-                                                           const Tensor& V, const Tensor& U, const Tensor& P,
-                                                           const OptTensor& codes, double scale) {
-  check_update_operands(x, V, codes, U);
-  BEM_CHECK(tensor_core_dtype(x), "the decode-size backward takes float16 or bfloat16, got ", x.scalar_type());
-  const int64_t M = x.size(0), K = x.size(1), N = U.size(0), r = V.size(1);
-  BEM_CHECK(M >= 1 && M <= kDecodeMaxTokens, "the decode-size backward takes 1..", kDecodeMaxTokens,
-            " rows, got M = ", M);
-  check_like(grad_y, "grad_y", x);
-  check_contiguous(grad_y, "grad_y");
-  BEM_CHECK(grad_y.dim() == 2 && grad_y.size(0) == M && grad_y.size(1) == N, "grad_y must be (M, N) = (", M, ", ",
-            N, "), got ", grad_y.sizes());
-  check_p_like(P, "P", x, M, r);
-  if (weight.has_value()) {
-    check_like(*weight, "weight", x);
-    BEM_CHECK(weight->dim() == 2 && weight->size(0) == N && weight->size(1) == K, "weight must be (N, K) = (", N,
-              ", ", K, "), got ", weight->sizes());
-  }
-  const c10::cuda::CUDAGuard guard(x.device());
-  Tensor C = at::empty({M, K}, x.options());  // the update's share of dX
-  Tensor dV = at::empty({K, r}, x.options());
-  Tensor dcodes = at::empty({M, r}, x.options());
-  Tensor dU = at::empty({N, r}, x.options());
-  Tensor ws = at::empty({lowrank_grads_workspace((int)M, (int)N, (int)r)}, x.options().dtype(at::kFloat));
-  LowRankGradArgs args{};
-  args.X = x.data_ptr();
-  args.dY = grad_y.data_ptr();
-  args.V = V.data_ptr();
-  args.U = U.data_ptr();
-  args.P = P.data_ptr<float>();
-  args.codes = codes.has_value() ? codes->data_ptr() : nullptr;
-  args.dV = dV.data_ptr();
-  args.dU = dU.data_ptr();
-  args.dcodes = dcodes.data_ptr();
-  args.C = C.data_ptr();
-  args.ws = ws.data_ptr<float>();
-  args.M = (int)M;
-  args.K = (int)K;
-  args.N = (int)N;
-  args.r = (int)r;
-  args.scale = (float)scale;
-  if (!weight.has_value()) {
-    C10_CUDA_CHECK(launch_lowrank_grads_first(dtype_of(x), args, stream_now()));
-    C10_CUDA_CHECK(launch_lowrank_grads_second(dtype_of(x), args, stream_now()));
-    return {C, dV, dcodes, dU};
-  }
-  // Fork: the low-rank launches beside cuBLAS's dY W; join, then one addition. The pool stream's work
-  // is ordered before everything later on this stream, so the tensors it uses are safe to free after.
-  const cudaStream_t main = stream_now();
-  const cudaStream_t side = c10::cuda::getStreamFromPool(false, x.get_device()).stream();
-  const StreamEvent forked, joined;
-  C10_CUDA_CHECK(cudaEventRecord(forked.event, main));
-  C10_CUDA_CHECK(cudaStreamWaitEvent(side, forked.event, 0));
-  C10_CUDA_CHECK(launch_lowrank_grads_first(dtype_of(x), args, side));
-  C10_CUDA_CHECK(launch_lowrank_grads_second(dtype_of(x), args, side));
-  Tensor dX = at::mm(grad_y, *weight);
-  C10_CUDA_CHECK(cudaEventRecord(joined.event, side));
-  C10_CUDA_CHECK(cudaStreamWaitEvent(main, joined.event, 0));
-  dX.add_(C);
-  return {dX, dV, dcodes, dU};
-}
-
-// (s G ⊙ c, s P ⊙ c, s G ⊙ P) in dtype (float16 or bfloat16) from float32 G and P (M, r) and codes (M, r)
-// of that dtype or None: the backward's coefficients for dV, dU and dcodes, in one pass.
-std::tuple<Tensor, Tensor, Tensor> backward_coefficients(const Tensor& G, const Tensor& P, const OptTensor& codes,
-                                                         double scale, at::ScalarType dtype) {
-  BEM_CHECK(G.is_cuda(), "G must be a CUDA tensor, got one on ", G.device());
-  BEM_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, "the coefficients are float16 or bfloat16, got ", dtype);
-  BEM_CHECK(G.dim() == 2, "G must be (M, r), got shape ", G.sizes());
-  check_p_like(G, "G", G, G.size(0), G.size(1));
-  check_p_like(P, "P", G, G.size(0), G.size(1));
-  if (codes.has_value()) {
-    BEM_CHECK(codes->device() == G.device(), "codes is on ", codes->device(), " but G is on ", G.device());
-    BEM_CHECK(codes->scalar_type() == dtype, "codes has dtype ", codes->scalar_type(), " but the coefficients are ",
-              dtype);
-    check_contiguous(*codes, "codes");
-    BEM_CHECK(codes->sizes() == G.sizes(), "codes must be (M, r) = ", G.sizes(), ", got ", codes->sizes());
-  }
-  const c10::cuda::CUDAGuard guard(G.device());
-  const auto options = G.options().dtype(dtype);
-  Tensor g_c = at::empty(G.sizes(), options), p_c = at::empty(G.sizes(), options), g_p = at::empty(G.sizes(), options);
-  C10_CUDA_CHECK(launch_backward_coefficients(dtype == at::kHalf ? DType::kHalf : DType::kBFloat16,
-                                              G.data_ptr<float>(), P.data_ptr<float>(),
-                                              codes.has_value() ? codes->data_ptr() : nullptr, g_c.data_ptr(),
-                                              p_c.data_ptr(), g_p.data_ptr(), G.numel(), (float)scale, stream_now()));
-  return {g_c, p_c, g_p};
 }
 
 // Whether this build and the current device run the GEMM with the update inside (linear mode 6).

@@ -1,0 +1,20 @@
+// The backward's entry points at decode and prefill sizes (backward_ops.cpp), registered in bindings.cpp.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <tuple>
+
+namespace bem {
+
+// (dX, dV, dcodes, dU) of the BEM linear (weight given) or of the update alone, for 1..64 rows.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_backward(
+    const at::Tensor& x, const at::Tensor& grad_y, const c10::optional<at::Tensor>& weight, const at::Tensor& V,
+    const at::Tensor& U, const at::Tensor& P, const c10::optional<at::Tensor>& codes, double scale);
+
+// (s G ⊙ codes, s P ⊙ codes, s G ⊙ P) in dtype (float16 or bfloat16) from float32 G and P.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_coefficients(const at::Tensor& G, const at::Tensor& P,
+                                                                     const c10::optional<at::Tensor>& codes,
+                                                                     double scale, at::ScalarType dtype);
+
+}  // namespace bem
