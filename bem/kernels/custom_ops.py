@@ -99,6 +99,46 @@ def _(G, P, codes, scaling, dtype):
     return G.new_empty(G.shape, dtype=dtype), P.new_empty(P.shape, dtype=dtype), G.new_empty(G.shape, dtype=dtype)
 
 
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
+@torch.library.custom_op("bem::prefill_backward", mutates_args=())
+def prefill_backward(
+    x: Tensor, grad_y: Tensor, weight: Tensor, V: Tensor, U: Tensor, P: Tensor, codes: Optional[Tensor],
+    scaling: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dX, dV, dcodes, dU) of the BEM linear above decode sizes. The update kernel gives dX's low-rank
+    share and G = dY U in one pass over dY; then cuBLAS adds dY W onto it (beta = 1) while dV and dU, two
+    GEMMs that only stream x and dY, run beside it on a side stream. Every tensor is allocated on the
+    caller's stream before the fork, and the join comes before the return."""
+    ext = _extension()
+    dx, G = ext.update_forward(grad_y, U, codes, V, scaling)
+    low, pc, dcodes = backward_coefficients(G, P, codes, scaling, x.dtype)
+    dv = x.new_empty(x.shape[1], V.shape[1])
+    du = x.new_empty(U.shape[0], U.shape[1])
+    main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        torch.mm(x.t(), low, out=dv)
+        torch.mm(grad_y.t(), pc, out=du)
+    dx.addmm_(grad_y, weight)
+    main.wait_stream(side)
+    return dx, dv, dcodes, du
+
+
+@prefill_backward.register_fake
+def _(x, grad_y, weight, V, U, P, codes, scaling):
+    M, K, r = x.shape[0], x.shape[1], V.shape[1]
+    return x.new_empty(M, K), x.new_empty(K, r), x.new_empty(M, r), x.new_empty(U.shape[0], r)
+
+
 @decode_backward.register_fake
 def _(x, grad_y, weight, V, U, P, codes, scaling):
     M, K, r = x.shape[0], x.shape[1], V.shape[1]
@@ -135,12 +175,13 @@ def lowrank_backward(
     grad_y = grad_y.contiguous()
     if _decode_sized(grad_y, V):
         return _decode_backward(grad_y, x, V, codes, U, P, scaling, weight, needs)
-    # dX = dY W + s (G ⊙ c) V^T has the forward's form with W^T, U and V in the roles of W, V and U: the
-    # forward's dispatch gives dX and G = dY U together, adding dY W in the GEMM's epilogue (beta = 1).
-    if need_x and weight is None:
+    if need_x and weight is not None:
+        dx, dv, dcodes, du = prefill_backward(x, grad_y, weight, V, U, P, codes, scaling)
+        return dx, dv if need_v else None, dcodes if need_codes else None, du if need_u else None
+    # dX = s (G ⊙ c) V^T has the forward's form with U and V in the roles of V and U: the forward's
+    # dispatch gives dX and G = dY U together.
+    if need_x:
         dx, G = fused_generated_update(grad_y, U, codes, V, scaling)
-    elif need_x:
-        dx, G = fused_bem_linear(grad_y, weight.t(), None, U, codes, V, scaling)
     else:
         dx, G = None, lowrank_project(grad_y, U) if need_v or need_codes else P
     low, pc, dcodes = backward_coefficients(G, P, codes, scaling, dtype)

@@ -111,9 +111,11 @@ def test_decode_backward_is_not_taken_above_decode_sizes(monkeypatch):
     assert not calls and V.grad is not None
 
 
-def test_decode_backward_in_a_cuda_graph():
-    """The backward forks onto a pool stream beside cuBLAS and joins again: capture and replay must hold."""
-    M, K, N, r = 4, 384, 512, 16
+@pytest.mark.parametrize("M", [4, 300])
+def test_backward_in_a_cuda_graph(M):
+    """Both backward paths fork onto a side stream beside cuBLAS and join again: capture and replay must
+    hold (4 rows: the decode-size path; 300: the prefill path)."""
+    K, N, r = 384, 512, 16
     x, W, b, V, c, U = operands(M, K, N, r, torch.bfloat16, codes=True, seed=21)
     leaves = [t.detach().requires_grad_() for t in (x, V, c, U)]
     dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
