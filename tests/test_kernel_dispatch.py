@@ -229,11 +229,14 @@ def test_backward_coefficients_outside_half_precision_are_plain_torch(with_codes
     assert [tuple(t.shape) for t in fakes] == [(7, 4)] * 3 and all(t.dtype == torch.bfloat16 for t in fakes)
 
 
-def test_decode_backward_fake_shapes():
+def test_backward_ops_fake_shapes():
     from bem.kernels import custom_ops
 
     with torch._subclasses.fake_tensor.FakeTensorMode():
         x, dy = torch.empty(3, 40, dtype=torch.bfloat16), torch.empty(3, 24, dtype=torch.bfloat16)
         V, U = torch.empty(40, 8, dtype=torch.bfloat16), torch.empty(24, 8, dtype=torch.bfloat16)
         outs = custom_ops.decode_backward(x, dy, None, V, U, torch.empty(3, 8), None, 1.0)
-    assert [tuple(t.shape) for t in outs] == [(3, 40), (40, 8), (3, 8), (24, 8)]
+        prefill = custom_ops.prefill_backward(x, dy, torch.empty(24, 40, dtype=torch.bfloat16), V, U,
+                                              torch.empty(3, 8), None, 1.0)
+    for got in (outs, prefill):
+        assert [tuple(t.shape) for t in got] == [(3, 40), (40, 8), (3, 8), (24, 8)]

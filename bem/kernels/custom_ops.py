@@ -5,6 +5,7 @@ autograd formulas. Ops are registered whether or not the extension loaded; only 
     bem::fused_bem_linear(x, W, b, V, codes, U, s) -> (x W^T + b + s ((x V) ⊙ codes) U^T, x V)
     bem::lowrank_project(a, b)                     -> a b            (the backward's dY U)
     bem::decode_backward(x, dY, W, V, U, P, codes, s) -> (dX, dV, dcodes, dU) for 1..64 rows
+    bem::prefill_backward(x, dY, W, V, U, P, codes, s) -> (dX, dV, dcodes, dU) above that
     bem::backward_coefficients(G, P, codes, s, dtype) -> (s G ⊙ c, s P ⊙ c, s G ⊙ P) in dtype
 
 x is (M, K), V (K, r), U (N, r), codes (M, r) or None, W (N, K) (row-major or a transposed view).
