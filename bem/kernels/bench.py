@@ -153,6 +153,14 @@ def _backward_variants(sets: list[dict], s: float) -> dict[str, Callable[[int], 
     return {"F.linear": frozen, "PEFT LoRA": peft, "BEM reference": bem(reference), "BEM fused": bem(ops)}
 
 
+def _tma_update_runs(operands: dict) -> bool:
+    """Whether the TMA update kernel (sm_90a) takes this shape: K, N and the rank multiples of 8, rank <= 64."""
+    K, r = operands["V"].shape
+    N = operands["U"].shape[0]
+    return (custom_ops._C.fused_gemm_available() and K % 8 == 0 and N % 8 == 0 and r % 8 == 0
+            and r <= custom_ops._C.TMA_UPDATE_MAX_RANK)
+
+
 def _update_variants(sets: list[dict], s: float) -> dict[str, Callable[[int], object]]:
     def pick(i):
         return sets[i % len(sets)]
@@ -171,6 +179,9 @@ def _update_variants(sets: list[dict], s: float) -> dict[str, Callable[[int], ob
             pick(i)["x"], pick(i)["V"].detach(), pick(i)["c"].detach(), pick(i)["U"].detach(), s, 2),
         "update two GEMMs": lambda i: custom_ops._C.update_forward(
             pick(i)["x"], pick(i)["V"].detach(), pick(i)["c"].detach(), pick(i)["U"].detach(), s, 3),
+        **({"update TMA kernel": lambda i: custom_ops._C.update_forward(
+            pick(i)["x"], pick(i)["V"].detach(), pick(i)["c"].detach(), pick(i)["U"].detach(), s, 4)}
+           if _tma_update_runs(sets[0]) else {}),
         "x V only (fused)": lambda i: custom_ops._C.project(pick(i)["x"], pick(i)["V"].detach()),
     }
 
@@ -259,9 +270,9 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.json, "w") as f:
             json.dump({"device": props.name, "ceilings": ceil, "results": results}, f, indent=1)
     print("\nSummary (ratios to F.linear; update alone as % of copy bandwidth: default, PyTorch, streaming "
-          "kernel, tiles kernel, two cuBLAS GEMMs; in gemm: the forward as one GEMM with the update inside)")
+          "kernel, tiles kernel, two cuBLAS GEMMs, TMA kernel; in gemm: the forward as one GEMM with the update inside)")
     print(f"{'M':>6}{'K':>6}{'N':>6}{'r':>4}{'PEFT':>7}{'ref':>7}{'fused':>7}{'fb ref':>8}{'fb fused':>9}"
-          f"{'upd %cp':>9}{'torch':>7}{'stream':>8}{'t16':>6}{'t32':>6}{'t64':>6}{'tiles':>7}{'gemms':>7}{'in gemm':>9}")
+          f"{'upd %cp':>9}{'torch':>7}{'stream':>8}{'t16':>6}{'t32':>6}{'t64':>6}{'tiles':>7}{'gemms':>7}{'tma':>7}{'in gemm':>9}")
     for res in results:
         shp, fwd, fb = res["shape"], res["forward_ms"], res["forward_backward_ms"]
         pct = res["update_pct_copy"]
@@ -273,6 +284,7 @@ def main(argv: list[str] | None = None) -> None:
               + "".join(f"{pct[f'update stream t{t}']:>6.1f}" if f"update stream t{t}" in pct else f"{'-':>6}"
                         for t in (16, 32, 64))
               + f"{pct['update tiles kernel']:>7.1f}{pct['update two GEMMs']:>7.1f}"
+              + (f"{pct['update TMA kernel']:>7.1f}" if "update TMA kernel" in pct else f"{'-':>7}")
               + (f"{fwd['fused update in gemm'] / fwd['F.linear']:>9.2f}" if "fused update in gemm" in fwd else f"{'-':>9}"))
     print(header)
 

@@ -101,6 +101,20 @@ def test_gemm_with_the_update_inside_rejects_what_it_cannot_take():
         custom_ops._C.linear_forward(x, W.t().contiguous().t(), None, V8, None, U8, 1.0, 6)
 
 
+@pytest.mark.skipif(not ops.KERNELS_AVAILABLE or not custom_ops._C.fused_gemm_available(),
+                    reason="the TMA update kernel needs a compute capability 9.0 GPU and an sm_90a build")
+def test_tma_update_rejects_what_it_cannot_take():
+    x = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16)
+    V, U = torch.randn(64, 8, device="cuda", dtype=torch.bfloat16), torch.randn(36, 8, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="the TMA update kernel writes Y .* got K = 64, N = 36, rank 8"):
+        custom_ops._C.update_forward(x, V, None, U, 1.0, 4)
+    with pytest.raises(ValueError, match="the TMA update kernel needs float16/bfloat16 operands"):
+        custom_ops._C.update_forward(x.float(), V.float(), None, U[:32].float(), 1.0, 4)
+    with pytest.raises(ValueError, match="rank 72"):
+        custom_ops._C.update_forward(x, torch.randn(64, 72, device="cuda", dtype=torch.bfloat16), None,
+                                     torch.randn(32, 72, device="cuda", dtype=torch.bfloat16), 1.0, 4)
+
+
 def _grad_args(M=3, K=40, N=24, r=8, dtype=torch.bfloat16):
     def t(*shape, dt=dtype):
         return torch.randn(*shape, device="cuda", dtype=dt)

@@ -265,6 +265,68 @@ def test_gemm_with_the_update_inside_is_the_default_where_it_measured_faster():
         assert torch.equal(auto, fused if expected else other), f"M = {M}, K = N = {K}, r = {r}"
 
 
+TMA_SHAPES = [(1, 64, 40, 8), (37, 136, 72, 16), (1000, 520, 264, 24), (2053, 1032, 1000, 32),
+              (333, 72, 136, 40), (4096, 768, 768, 64), (20011, 64, 72, 8), (130, 4096, 4104, 56)]
+
+
+@fused_gemm
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,K,N,r", TMA_SHAPES)
+@pytest.mark.parametrize("codes", [True, False])
+def test_tma_update_matches_float64(dtype, M, K, N, r, codes):
+    """Update kernel 4 (TMA in and out): a partial last tile of rows, K not a multiple of 64, N not a
+    multiple of 128 or 64, ranks padded to 8..64, more tiles than multiprocessors (M = 20011: each block
+    takes several and its two warpgroups pass them along); x V in float32; repeated calls bit-identical."""
+    x, _, _, V, c, U = operands(M, K, N, r, dtype, codes=codes, seed=stable_seed(M, K, N, r, codes, str(dtype)))
+    ref = update_ref64(x, V, c, U, 0.8)
+    torch_err = rel_err(reference.generated_update(x, V, c, U, 0.8), ref)
+    poison_allocator(x.device, M * N + M * r)
+    y, P = custom_ops._C.update_forward(x, V, c, U, 0.8, 4)
+    assert rel_err(y, ref) <= bound(torch_err, dtype)
+    assert P.dtype == torch.float32 and rel_err(P, x.double() @ V.double()) < 1e-5
+    y2, P2 = custom_ops._C.update_forward(x, V, c, U, 0.8, 4)
+    assert torch.equal(y, y2) and torch.equal(P, P2)
+
+
+def _tma_case(M, K, N, r):
+    """The default update's profile: whether the TMA kernel ran, and the call's (Y, P)."""
+    x, W, b, V, c, U = operands(M, K, N, r, torch.bfloat16, codes=True, seed=stable_seed(M, K, N, r))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        auto = custom_ops._C.update_forward(x, V, c, U, 1.5)
+        torch.cuda.synchronize()
+    return any("lowrank_tma_kernel" in event.name for event in prof.events()), auto, (x, W, b, V, c, U)
+
+
+@fused_gemm
+def test_tma_update_is_the_default_where_it_measured_faster():
+    """The default update takes the TMA kernel up to rank 16 once its 64-row tiles fill the GPU, and at rank
+    8 from 1024 rows where N >= 2 K; not above rank 16, nor for a narrower or shorter call. The kernels can
+    agree bit for bit (short sums of the same rounded s P ⊙ c), so the profile names the one that ran."""
+    full = 64 * torch.cuda.get_device_properties(0).multi_processor_count + 5
+    for M, K, N, r, expected in ((full, 512, 264, 16, True), (1100, 256, 1000, 8, True), (full, 512, 264, 24, False),
+                                 (1100, 512, 1000, 8, False), (1000, 256, 1000, 8, False), (1100, 256, 1000, 16, False)):
+        ran, auto, (x, W, b, V, c, U) = _tma_case(M, K, N, r)
+        assert ran == expected, f"M = {M}, K = {K}, N = {N}, r = {r}"
+        if expected:
+            forced = custom_ops._C.update_forward(x, V, c, U, 1.5, 4)
+            assert torch.equal(auto[0], forced[0]) and torch.equal(auto[1], forced[1])
+
+
+@fused_gemm
+def test_tma_update_inside_the_linear_adds_the_bias():
+    """Linear mode 3 (the update writes update + bias, cuBLAS adds x W^T) where the TMA kernel is the
+    default, against float64; P comes out in float32."""
+    M, K, N, r = 1100, 256, 1000, 8
+    ran, _, (x, W, b, V, c, U) = _tma_case(M, K, N, r)
+    assert ran
+    ref = linear_ref64(x, W, b, V, c, U, 1.5)
+    torch_err = rel_err(reference.bem_linear(x, W, b, V, c, U, 1.5), ref)
+    poison_allocator(x.device, M * N)
+    y, P = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 3)
+    assert rel_err(y, ref) <= bound(torch_err, torch.bfloat16)
+    assert rel_err(P, x.double() @ V.double()) < 1e-5
+
+
 def test_default_dispatch_leaves_the_decode_kernels_above_16_tokens():
     """From 17 to 64 tokens the default is cuBLAS with the update kernel (linear mode 3), bit-equal; the
     decode kernels stay the default at 16 tokens and can still be asked for above."""

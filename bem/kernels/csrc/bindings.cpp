@@ -59,6 +59,7 @@ enum UpdateKernel : int64_t {
   kUpdateStream = 1,  // lowrank_stream.cu: 16-64 rows per block, A and B^T straight into registers
   kUpdateTiles = 2,   // lowrank_update.cu: 32 rows per block through shared memory (any K, any rank)
   kUpdateGemms = 3,   // fp16/bf16: cuBLAS P = A B (fp32 out), scale_codes.cu, cuBLAS Y = (s P ⊙ codes) U^T
+  kUpdateTma = 4,     // lowrank_tma.cu (sm_90a): TMA in and out, reading and writing at once
 };
 // Where the streaming kernel is the default: measured on an H200 (docs/kernels.md) it beat the tiles
 // kernel at ranks 8 to 32 once M >= 1024 (M = 16384, 4096 x 4096: 49-66% of copy against 39-47%). Above
@@ -72,6 +73,46 @@ constexpr int64_t kStreamSmallBlockMaxRank = 32;
 // P U^T wrote Y at 87-93% of the write rate, and the update took 90 us at r = 32 and 64, against 119
 // and 262 us for the streaming kernel (docs/kernels.md). At r = 8 the streaming kernel stays ahead.
 constexpr int64_t kGemmsMinRank = 17;
+// Where the TMA update kernel is the default (sm_90a builds on Hopper), measured on an H200 against the
+// other three (docs/kernels.md): up to rank 16 once its 64-row tiles are at least as many as the
+// multiprocessors (M = 16384: 4096² r = 8 78% of copy against 73% for the streaming kernel, r = 16 75%
+// against 71%; 4096 x 14336 r = 8 84% against 79%; 768² r = 8 65% against 56%), and at rank 8 from 1024
+// rows where N >= 2 K, where writing Y dominates (4096 x 14336, M = 2048: 33 us against 41 us for the
+// next best). Above rank 16 the two cuBLAS GEMMs stayed ahead (r = 32: 69% of copy against 63%); with
+// few tiles and a long K each tile's single reading warpgroup is the bound (14336 x 4096, M = 2048:
+// 47 us against 31 us).
+constexpr int64_t kTmaMaxRank = 16;
+constexpr int64_t kTmaWideMaxRank = 8;
+constexpr int64_t kTmaWideMinRows = 1024;
+
+bool tma_suits(const LowRankArgs& args) {
+  const bool fills_gpu = args.M >= (int64_t)kLowRankTmaTileRows * args.num_sms;
+  const bool wide = args.r <= kTmaWideMaxRank && args.N >= 2 * (int64_t)args.L && args.M >= kTmaWideMinRows;
+  return args.r <= kTmaMaxRank && (fills_gpu || wide);
+}
+
+// Whether this build has its sm_90a kernels (the GEMM with the update inside, the TMA update kernel)
+// for the device: sm_90a code on a compute capability 9.0 GPU.
+bool sm90a_runs(int device) {
+  bool supported = false;
+  C10_CUDA_CHECK(gemm_update_supported(device, stream_now(), &supported));
+  return supported;
+}
+
+// Whether the TMA update kernel runs: asked for, or by shape (measured, docs/kernels.md). A call that
+// asks for it where it cannot run is refused.
+bool tma_takes(const LowRankArgs& args, bool tensor_core, int64_t kernel, int device) {
+  if (args.M == 0) return false;
+  if (kernel == kUpdateTma) {
+    BEM_CHECK(tensor_core && sm90a_runs(device), "the TMA update kernel needs float16/bfloat16 operands, a ",
+              "compute capability 9.0 GPU and the extension built for sm_90a (TORCH_CUDA_ARCH_LIST=9.0a)");
+    BEM_CHECK(lowrank_tma_fits(args), "the TMA update kernel writes Y (no accumulation) and takes K, N and ",
+              "the rank multiples of 8, rank up to ", kLowRankTmaMaxRank, ", and 16-byte aligned x and U; got K = ",
+              args.L, ", N = ", args.N, ", rank ", args.r);
+    return true;
+  }
+  return kernel == kUpdateAuto && tensor_core && tma_suits(args) && lowrank_tma_fits(args) && sm90a_runs(device);
+}
 
 // Too few 32-row groups to fill the GPU: the projection A B then goes to cuBLAS (fp32 output) and the
 // tiles kernel only expands it.
@@ -141,6 +182,14 @@ Tensor run_update(const Tensor& A, const Tensor& B, const OptTensor& codes, cons
   args.scale = scale;
   args.expand = Y != nullptr;
   args.accumulate = accumulate;
+  if (Y != nullptr && tma_takes(args, tensor_core_dtype(A), kernel, A.get_device())) {
+    const Tensor Bt = B.t().contiguous();  // r x L: a small copy, rows of B^T are contiguous
+    Tensor P = at::empty({M, r}, A.options().dtype(at::kFloat));
+    args.Bt = Bt.data_ptr();
+    args.P = P.data_ptr();
+    C10_CUDA_CHECK(launch_lowrank_tma(dtype_of(A), args, stream_now()));
+    return P;
+  }
   if (gemms_take(args, tensor_core_dtype(A), kernel))
     return run_update_gemms(A, B, codes, *U, bias, *Y, scale, accumulate);
   const bool stream = stream_takes(args, tensor_core_dtype(A), kernel);
@@ -162,7 +211,7 @@ Tensor run_update(const Tensor& A, const Tensor& B, const OptTensor& codes, cons
 
 std::tuple<Tensor, Tensor> update_forward(const Tensor& x, const Tensor& V, const OptTensor& codes, const Tensor& U,
                                           double scale, int64_t kernel, int64_t stream_tokens) {
-  BEM_CHECK(kernel >= kUpdateAuto && kernel <= kUpdateGemms, "unknown update kernel ", kernel);
+  BEM_CHECK(kernel >= kUpdateAuto && kernel <= kUpdateTma, "unknown update kernel ", kernel);
   check_update_operands(x, V, codes, U);
   BEM_CHECK(stream_tokens == 0 || stream_tokens == 16 || stream_tokens == 32 || stream_tokens == 64,
             "stream_tokens must be 0 (chosen by shape), 16, 32 or 64, got ", stream_tokens);
@@ -218,13 +267,6 @@ int64_t gemm_update_max_kn(int64_t r) {
   return 768 * 768;
 }
 
-// Whether this build has the GEMM with the update inside for the device (sm_90a code on a 9.0 GPU).
-bool gemm_update_runs(int device) {
-  bool supported = false;
-  C10_CUDA_CHECK(gemm_update_supported(device, stream_now(), &supported));
-  return supported;
-}
-
 // Whether the GEMM with the update inside takes these operands as they are (gemm_update_fits on the
 // tensors, before anything is allocated).
 bool gemm_update_takes(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& V,
@@ -240,7 +282,7 @@ bool gemm_update_suits(const Tensor& x, const Tensor& weight, const OptTensor& b
                        const Tensor& U) {
   const int64_t M = x.size(0), K = x.size(1), N = U.size(0), r = V.size(1);
   return K * N <= gemm_update_max_kn(r) && gemm_update_takes(x, weight, bias, V, U) &&
-         2 * gemm_update_tiles((int)M, (int)N) >= num_sms(x.get_device()) && gemm_update_runs(x.get_device());
+         2 * gemm_update_tiles((int)M, (int)N) >= num_sms(x.get_device()) && sm90a_runs(x.get_device());
 }
 
 GemmUpdateArgs gemm_update_args(const Tensor& x, const Tensor& weight, const Tensor* bias, const Tensor& Vt,
@@ -321,7 +363,7 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
     return {Y, P};
   }
   if (mode == kGemmUpdate) {
-    BEM_CHECK(gemm_update_runs(x.get_device()), "the fused GEMM needs a compute capability 9.0 GPU and the ",
+    BEM_CHECK(sm90a_runs(x.get_device()), "the fused GEMM needs a compute capability 9.0 GPU and the ",
               "extension built for sm_90a (TORCH_CUDA_ARCH_LIST=9.0a)");
     BEM_CHECK(gemm_update_takes(x, weight, bias, V, U),
               "the fused GEMM takes a row-major weight, K, N and the rank multiples of 8, rank up to ",
@@ -382,7 +424,7 @@ std::tuple<Tensor, Tensor> linear_forward(const Tensor& x, const Tensor& weight,
 bool fused_gemm_available() {
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
-  return gemm_update_runs(device);
+  return sm90a_runs(device);
 }
 
 }  // namespace
@@ -408,4 +450,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether the GEMM with the update inside (linear mode 6, sm_90a) runs on the current device");
   m.attr("DECODE_MAX_TOKENS") = bem::kDecodeMaxTokens;
   m.attr("MAX_FUSED_RANK") = bem::kMaxFusedRank;
+  m.attr("TMA_UPDATE_MAX_RANK") = bem::kLowRankTmaMaxRank;
 }

@@ -15,13 +15,9 @@
 // wgmma reads without bank conflicts; TMA fills rows and columns past the tensors with zeros (U's tile
 // is 64 columns wide whatever r is). Measured on the way (M = 16384, 4096², r = 8): cp.async copies
 // into an unswizzled layout reached 200 TFLOP/s with L2 at 89% of its throughput; TMA, 530.
-#include <cuda.h>
-#include <cudaTypedefs.h>
-
-#include <mutex>
-
 #include "common.cuh"
 #include "launchers.h"
+#include "tma.cuh"
 #include "wgmma.cuh"
 
 namespace bem {
@@ -232,31 +228,6 @@ __global__ void gemm_update_probe_kernel(int* out) {
 #else
   *out = 0;
 #endif
-}
-
-// A row-major rows x cols tensor of 16-bit values as a TMA map with 64-column, box_rows-row boxes and the
-// 128-byte swizzle.
-cudaError_t encode_map(CUtensorMap* map, const void* base, int rows, int cols, int box_rows, bool bf16) {
-  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    cudaDriverEntryPointQueryResult found;
-    void* fn = nullptr;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) ==
-            cudaSuccess &&
-        found == cudaDriverEntryPointSuccess)
-      encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  });
-  if (encode == nullptr) return cudaErrorNotSupported;
-  const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows};
-  const cuuint64_t strides[1] = {(cuuint64_t)cols * 2};
-  const cuuint32_t box[2] = {(cuuint32_t)kBK, (cuuint32_t)box_rows};
-  const cuuint32_t steps[2] = {1, 1};
-  const CUresult res = encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
-                              const_cast<void*>(base), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
 template <typename T, int RN>

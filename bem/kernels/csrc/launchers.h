@@ -61,6 +61,15 @@ bool lowrank_stream_fits(const LowRankArgs& args);
 int lowrank_stream_tokens(const LowRankArgs& args);
 cudaError_t launch_lowrank_stream(DType dtype, const LowRankArgs& args, cudaStream_t stream);
 
+// The TMA update kernel (sm_90a, fp16/bf16, prefill sizes; runs where gemm_update_supported says the
+// build has sm_90a code for the device): takes B^T in args.Bt; lowrank_tma_fits says whether it takes the
+// call (Y written, not accumulated; L, N and r multiples of 8, r <= kLowRankTmaMaxRank; A, U and Y
+// 16-byte aligned, bias 4-byte aligned; no P_in). B^T must be 16-byte aligned too. Same outputs as launch_lowrank_update.
+constexpr int kLowRankTmaMaxRank = 64;
+constexpr int kLowRankTmaTileRows = 64;  // rows per tile (a persistent block takes tiles in turn)
+bool lowrank_tma_fits(const LowRankArgs& args);
+cudaError_t launch_lowrank_tma(DType dtype, const LowRankArgs& args, cudaStream_t stream);
+
 // Y = X W^T + b + s * ((X V) ⊙ codes) U^T for M <= kDecodeMaxTokens, one launch that reads W once.
 // W is N x K row-major, or (w_transposed) the N x K view of a row-major K x N buffer. Split-K
 // partials go to ws (split_k x M x N fp32) and ws_p (split_k x M x r fp32) when split_k > 1.
