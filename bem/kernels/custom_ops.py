@@ -110,27 +110,45 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[index]
 
 
+def _grads_from_g(x: Tensor, grad_y: Tensor, G: Tensor, P: Tensor, codes: Optional[Tensor], scaling: float,
+                  need_v: bool, need_u: bool, alongside=None) -> tuple[Optional[Tensor], Tensor, Optional[Tensor]]:
+    """(dV, dcodes, dU) from G = dY U and P = x V: one kernel for the three coefficient tensors, then dV and
+    dU, two GEMMs that only stream x and dY. With `alongside` (work for the caller's stream), the two GEMMs
+    run beside it on a side stream: every tensor is allocated on the caller's stream before the fork, and
+    the join comes before the return."""
+    low, pc, dcodes = backward_coefficients(G, P, codes, scaling, x.dtype)
+    dv = x.new_empty(x.shape[1], low.shape[1]) if need_v else None
+    du = x.new_empty(grad_y.shape[1], pc.shape[1]) if need_u else None
+
+    def products() -> None:
+        if dv is not None:
+            torch.mm(x.t(), low, out=dv)
+        if du is not None:
+            torch.mm(grad_y.t(), pc, out=du)
+
+    if alongside is None:
+        products()
+        return dv, dcodes, du
+    main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        products()
+    alongside()
+    main.wait_stream(side)
+    return dv, dcodes, du
+
+
 @torch.library.custom_op("bem::prefill_backward", mutates_args=())
 def prefill_backward(
     x: Tensor, grad_y: Tensor, weight: Tensor, V: Tensor, U: Tensor, P: Tensor, codes: Optional[Tensor],
     scaling: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dX, dV, dcodes, dU) of the BEM linear above decode sizes. The update kernel gives dX's low-rank
-    share and G = dY U in one pass over dY; then cuBLAS adds dY W onto it (beta = 1) while dV and dU, two
-    GEMMs that only stream x and dY, run beside it on a side stream. Every tensor is allocated on the
-    caller's stream before the fork, and the join comes before the return."""
-    ext = _extension()
-    dx, G = ext.update_forward(grad_y, U, codes, V, scaling)
-    low, pc, dcodes = backward_coefficients(G, P, codes, scaling, x.dtype)
-    dv = x.new_empty(x.shape[1], V.shape[1])
-    du = x.new_empty(U.shape[0], U.shape[1])
-    main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        torch.mm(x.t(), low, out=dv)
-        torch.mm(grad_y.t(), pc, out=du)
-    dx.addmm_(grad_y, weight)
-    main.wait_stream(side)
+    share and G = dY U in one pass over dY; then cuBLAS adds dY W onto it (beta = 1) while dV and dU run
+    beside it on a side stream."""
+    dx, G = _extension().update_forward(grad_y, U, codes, V, scaling)
+    dv, dcodes, du = _grads_from_g(x, grad_y, G, P, codes, scaling, True, True,
+                                   alongside=lambda: dx.addmm_(grad_y, weight))
     return dx, dv, dcodes, du
 
 
@@ -147,9 +165,9 @@ def _(x, grad_y, weight, V, U, P, codes, scaling):
 
 
 def _decode_sized(grad_y: Tensor, V: Tensor) -> bool:
-    """Whether the backward takes the decode-size path: 1..64 fp16/bf16 rows on CUDA."""
-    return (grad_y.is_cuda and grad_y.dtype in (torch.float16, torch.bfloat16)
-            and 1 <= grad_y.shape[0] <= decode_max_tokens() and V.shape[1] <= int(_C.MAX_FUSED_RANK))
+    """Whether the backward takes the decode-size path: 1..64 fp16/bf16 rows on CUDA (the forward already
+    kept the rank within the kernels' maximum)."""
+    return grad_y.is_cuda and grad_y.dtype in (torch.float16, torch.bfloat16) and 1 <= grad_y.shape[0] <= decode_max_tokens()
 
 
 def _decode_backward(grad_y, x, V, codes, U, P, scaling, weight, needs):
@@ -172,7 +190,6 @@ def lowrank_backward(
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """(dX, dV, dcodes, dU) for the update (plus dY W when `weight` is given); `needs` in that order."""
     need_x, need_v, need_codes, need_u = needs
-    dtype = x.dtype
     grad_y = grad_y.contiguous()
     if _decode_sized(grad_y, V):
         return _decode_backward(grad_y, x, V, codes, U, P, scaling, weight, needs)
@@ -185,9 +202,7 @@ def lowrank_backward(
         dx, G = fused_generated_update(grad_y, U, codes, V, scaling)
     else:
         dx, G = None, lowrank_project(grad_y, U) if need_v or need_codes else P
-    low, pc, dcodes = backward_coefficients(G, P, codes, scaling, dtype)
-    dv = x.t() @ low if need_v else None
-    du = grad_y.t() @ pc if need_u else None
+    dv, dcodes, du = _grads_from_g(x, grad_y, G, P, codes, scaling, need_v, need_u)
     return dx, dv, dcodes if need_codes else None, du
 
 

@@ -165,6 +165,7 @@ def test_backward_coefficients_rejects():
         ((G, P, c.half(), 1.0, torch.bfloat16), "codes has dtype"),
         ((G, P, c[:4].contiguous(), 1.0, torch.bfloat16), "codes must be"),
         ((G.cpu(), P, c, 1.0, torch.bfloat16), "G must be a CUDA tensor"),
+        ((G, P.cpu(), c, 1.0, torch.bfloat16), "P is on cpu but G is on cuda"),
     ]
     for args, message in cases:
         with pytest.raises(ValueError, match=message):

@@ -5,20 +5,32 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <vector>
+
 #include "torch_checks.h"
 
 namespace bem {
 namespace {
 
-// An event for ordering two streams (no timing), destroyed with the scope: the driver keeps it alive
-// until the work recorded into it is done. Works inside a CUDA-graph capture (fork and join).
-struct StreamEvent {
-  cudaEvent_t event = nullptr;
-  StreamEvent() { C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming)); }
-  ~StreamEvent() { cudaEventDestroy(event); }
-  StreamEvent(const StreamEvent&) = delete;
-  StreamEvent& operator=(const StreamEvent&) = delete;
+// The two events that order the pool stream after the caller's stream (fork) and back (join), no timing,
+// created once per thread and device: decode-size backward calls are bound by host time, and creating
+// and destroying two events took part of it each call. Re-recording an event is allowed once the
+// streams waiting on its previous record have enqueued their wait; inside a CUDA-graph capture the
+// records and waits become the graph's edges. Never destroyed: they live as long as the thread.
+struct ForkJoin {
+  cudaEvent_t forked = nullptr, joined = nullptr;
 };
+
+const ForkJoin& fork_join_events(int device) {
+  thread_local std::vector<ForkJoin> events;
+  if (device >= (int)events.size()) events.resize(device + 1);
+  ForkJoin& pair = events[device];
+  if (pair.forked == nullptr) {
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&pair.forked, cudaEventDisableTiming));
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&pair.joined, cudaEventDisableTiming));
+  }
+  return pair;
+}
 
 }  // namespace
 
@@ -40,7 +52,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> decode_backward(const Tensor& x, cons
   check_contiguous(grad_y, "grad_y");
   BEM_CHECK(grad_y.dim() == 2 && grad_y.size(0) == M && grad_y.size(1) == N, "grad_y must be (M, N) = (", M, ", ",
             N, "), got ", grad_y.sizes());
-  check_p_like(P, "P", x, M, r);
+  check_p_like(P, "P", x, "x", M, r);
   if (weight.has_value()) {
     check_like(*weight, "weight", x);
     BEM_CHECK(weight->dim() == 2 && weight->size(0) == N && weight->size(1) == K, "weight must be (N, K) = (", N,
@@ -78,14 +90,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> decode_backward(const Tensor& x, cons
   // is ordered before everything later on this stream, so the tensors it uses are safe to free after.
   const cudaStream_t main = stream_now();
   const cudaStream_t side = c10::cuda::getStreamFromPool(false, x.get_device()).stream();
-  const StreamEvent forked, joined;
-  C10_CUDA_CHECK(cudaEventRecord(forked.event, main));
-  C10_CUDA_CHECK(cudaStreamWaitEvent(side, forked.event, 0));
+  const ForkJoin& events = fork_join_events(x.get_device());
+  C10_CUDA_CHECK(cudaEventRecord(events.forked, main));
+  C10_CUDA_CHECK(cudaStreamWaitEvent(side, events.forked, 0));
   C10_CUDA_CHECK(launch_lowrank_grads_first(dtype_of(x), args, side));
   C10_CUDA_CHECK(launch_lowrank_grads_second(dtype_of(x), args, side));
   Tensor dX = at::mm(grad_y, *weight);
-  C10_CUDA_CHECK(cudaEventRecord(joined.event, side));
-  C10_CUDA_CHECK(cudaStreamWaitEvent(main, joined.event, 0));
+  C10_CUDA_CHECK(cudaEventRecord(events.joined, side));
+  C10_CUDA_CHECK(cudaStreamWaitEvent(main, events.joined, 0));
   dX.add_(C);
   return {dX, dV, dcodes, dU};
 }
@@ -97,8 +109,8 @@ std::tuple<Tensor, Tensor, Tensor> backward_coefficients(const Tensor& G, const 
   BEM_CHECK(G.is_cuda(), "G must be a CUDA tensor, got one on ", G.device());
   BEM_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, "the coefficients are float16 or bfloat16, got ", dtype);
   BEM_CHECK(G.dim() == 2, "G must be (M, r), got shape ", G.sizes());
-  check_p_like(G, "G", G, G.size(0), G.size(1));
-  check_p_like(P, "P", G, G.size(0), G.size(1));
+  check_p_like(G, "G", G, "G", G.size(0), G.size(1));
+  check_p_like(P, "P", G, "G", G.size(0), G.size(1));
   if (codes.has_value()) {
     BEM_CHECK(codes->device() == G.device(), "codes is on ", codes->device(), " but G is on ", G.device());
     BEM_CHECK(codes->scalar_type() == dtype, "codes has dtype ", codes->scalar_type(), " but the coefficients are ",

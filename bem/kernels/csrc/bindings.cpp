@@ -6,10 +6,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include <climits>
 #include <cstdint>
 #include <mutex>
-#include <stdexcept>
 #include <vector>
 
 #include "backward_ops.h"

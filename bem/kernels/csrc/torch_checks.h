@@ -84,9 +84,10 @@ inline at::ScalarType p_dtype(const Tensor& x) { return x.scalar_type() == at::k
 
 inline cudaStream_t stream_now() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
-// A float32 (M, r) operand such as P = x V or G = dY U, on x's device.
-inline void check_p_like(const Tensor& t, const char* name, const Tensor& x, int64_t M, int64_t r) {
-  BEM_CHECK(t.device() == x.device(), "", name, " is on ", t.device(), " but x is on ", x.device());
+// A float32 (M, r) operand such as P = x V or G = dY U, on the device of `ref` (named ref_name).
+inline void check_p_like(const Tensor& t, const char* name, const Tensor& ref, const char* ref_name, int64_t M,
+                         int64_t r) {
+  BEM_CHECK(t.device() == ref.device(), "", name, " is on ", t.device(), " but ", ref_name, " is on ", ref.device());
   BEM_CHECK(t.scalar_type() == at::kFloat, "", name, " must be float32, got ", t.scalar_type());
   check_contiguous(t, name);
   BEM_CHECK(t.dim() == 2 && t.size(0) == M && t.size(1) == r, "", name, " must be (M, r) = (", M, ", ", r,
