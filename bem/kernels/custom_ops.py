@@ -18,7 +18,7 @@ W and b are frozen: no dW, no db.
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -110,8 +110,10 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[index]
 
 
-def _grads_from_g(x: Tensor, grad_y: Tensor, G: Tensor, P: Tensor, codes: Optional[Tensor], scaling: float,
-                  need_v: bool, need_u: bool, alongside=None) -> tuple[Optional[Tensor], Tensor, Optional[Tensor]]:
+def _grads_from_g(
+    x: Tensor, grad_y: Tensor, G: Tensor, P: Tensor, codes: Optional[Tensor], scaling: float, need_v: bool,
+    need_u: bool, alongside: Optional[Callable[[], object]] = None,
+) -> tuple[Optional[Tensor], Tensor, Optional[Tensor]]:
     """(dV, dcodes, dU) from G = dY U and P = x V: one kernel for the three coefficient tensors, then dV and
     dU, two GEMMs that only stream x and dY. With `alongside` (work for the caller's stream), the two GEMMs
     run beside it on a side stream: every tensor is allocated on the caller's stream before the fork, and
@@ -164,10 +166,11 @@ def _(x, grad_y, weight, V, U, P, codes, scaling):
     return x.new_empty(M, K), x.new_empty(K, r), x.new_empty(M, r), x.new_empty(U.shape[0], r)
 
 
-def _decode_sized(grad_y: Tensor, V: Tensor) -> bool:
+def _decode_sized(grad_y: Tensor) -> bool:
     """Whether the backward takes the decode-size path: 1..64 fp16/bf16 rows on CUDA (the forward already
     kept the rank within the kernels' maximum)."""
-    return grad_y.is_cuda and grad_y.dtype in (torch.float16, torch.bfloat16) and 1 <= grad_y.shape[0] <= decode_max_tokens()
+    half = grad_y.dtype in (torch.float16, torch.bfloat16)
+    return grad_y.is_cuda and half and 1 <= grad_y.shape[0] <= decode_max_tokens()
 
 
 def _decode_backward(grad_y, x, V, codes, U, P, scaling, weight, needs):
@@ -191,7 +194,7 @@ def lowrank_backward(
     """(dX, dV, dcodes, dU) for the update (plus dY W when `weight` is given); `needs` in that order."""
     need_x, need_v, need_codes, need_u = needs
     grad_y = grad_y.contiguous()
-    if _decode_sized(grad_y, V):
+    if _decode_sized(grad_y):
         return _decode_backward(grad_y, x, V, codes, U, P, scaling, weight, needs)
     if need_x and weight is not None:
         dx, dv, dcodes, du = prefill_backward(x, grad_y, weight, V, U, P, codes, scaling)

@@ -105,7 +105,8 @@ def test_gemm_with_the_update_inside_rejects_what_it_cannot_take():
                     reason="the TMA update kernel needs a compute capability 9.0 GPU and an sm_90a build")
 def test_tma_update_rejects_what_it_cannot_take():
     x = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16)
-    V, U = torch.randn(64, 8, device="cuda", dtype=torch.bfloat16), torch.randn(36, 8, device="cuda", dtype=torch.bfloat16)
+    V = torch.randn(64, 8, device="cuda", dtype=torch.bfloat16)
+    U = torch.randn(36, 8, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="the TMA update kernel writes Y .* got K = 64, N = 36, rank 8"):
         custom_ops._C.update_forward(x, V, None, U, 1.0, 4)
     with pytest.raises(ValueError, match="the TMA update kernel needs float16/bfloat16 operands"):

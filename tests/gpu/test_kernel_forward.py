@@ -303,8 +303,9 @@ def test_tma_update_is_the_default_where_it_measured_faster():
     8 from 1024 rows where N >= 2 K; not above rank 16, nor for a narrower or shorter call. The kernels can
     agree bit for bit (short sums of the same rounded s P ⊙ c), so the profile names the one that ran."""
     full = 64 * torch.cuda.get_device_properties(0).multi_processor_count + 5
-    for M, K, N, r, expected in ((full, 512, 264, 16, True), (1100, 256, 1000, 8, True), (full, 512, 264, 24, False),
-                                 (1100, 512, 1000, 8, False), (1000, 256, 1000, 8, False), (1100, 256, 1000, 16, False)):
+    cases = ((full, 512, 264, 16, True), (1100, 256, 1000, 8, True), (full, 512, 264, 24, False),
+             (1100, 512, 1000, 8, False), (1000, 256, 1000, 8, False), (1100, 256, 1000, 16, False))
+    for M, K, N, r, expected in cases:
         ran, auto, (x, W, b, V, c, U) = _tma_case(M, K, N, r)
         assert ran == expected, f"M = {M}, K = {K}, N = {N}, r = {r}"
         if expected:
