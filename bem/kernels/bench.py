@@ -154,11 +154,14 @@ def _backward_variants(sets: list[dict], s: float) -> dict[str, Callable[[int], 
 
 
 def _tma_update_runs(operands: dict) -> bool:
-    """Whether the TMA update kernel (sm_90a) takes this shape: K, N and the rank multiples of 8, rank <= 64."""
-    K, r = operands["V"].shape
-    N = operands["U"].shape[0]
-    return (custom_ops._C.fused_gemm_available() and K % 8 == 0 and N % 8 == 0 and r % 8 == 0
-            and r <= custom_ops._C.TMA_UPDATE_MAX_RANK)
+    """Whether the TMA update kernel (update kernel 4) takes these operands: the extension refuses, with a
+    ValueError, what this build, the GPU or the shape does not allow."""
+    try:
+        custom_ops._C.update_forward(operands["x"], operands["V"].detach(), operands["c"].detach(),
+                                     operands["U"].detach(), 1.0, 4)
+    except ValueError:
+        return False
+    return True
 
 
 def _update_variants(sets: list[dict], s: float) -> dict[str, Callable[[int], object]]:

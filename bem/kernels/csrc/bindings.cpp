@@ -448,5 +448,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether the GEMM with the update inside (linear mode 6, sm_90a) runs on the current device");
   m.attr("DECODE_MAX_TOKENS") = bem::kDecodeMaxTokens;
   m.attr("MAX_FUSED_RANK") = bem::kMaxFusedRank;
-  m.attr("TMA_UPDATE_MAX_RANK") = bem::kLowRankTmaMaxRank;
 }

@@ -9,7 +9,7 @@
 //   hands s P ⊙ codes, already in the register layout of a wgmma A operand, to the writers through one of
 //   two shared-memory buffers; it then goes on to the next tile's A;
 // - the third and fourth (the writers) take Y's 128-column blocks in turn: each multiplies s P ⊙ codes by
-//   128 of U's rows (copied with cp.async, 128-byte swizzled), adds the bias and stores the 64 x 128
+//   128 of U's rows (copied with cp.async, only the padded rank wide), adds the bias and stores the 64 x 128
 //   block with TMA from one of its two staging buffers, so a store drains while the next is computed.
 // While the writers write tile t's Y, the reader reads tile t + 1's A; two writers, because one block's
 // steps (wait for U, wgmma, staging, barriers, store) are a chain of latencies that one warpgroup alone
