@@ -85,7 +85,7 @@ def test_decode_tiles_split_k_is_exact_and_repeatable(split_k):
                                    (16, 4096, 14336), (13, 14336, 520)])
 @pytest.mark.parametrize("r", [1, 8, 13, 24, 32, 64, 128])
 def test_decode_stream_kernel_matches_float64(dtype, split_k, M, K, N, r):
-    """Mode 1, the decode dispatch: the streaming kernel (cluster split-K, K % 8 == 0, r <= 32) at every
+    """Mode 1, the decode dispatch: the streaming kernel (cluster split-K, K % 8 == 0, r <= 64) at every
     cluster size, the tiles kernel for larger ranks; odd N and odd ranks, with and without bias; two
     calls give identical bits (both sum their partial results in a fixed order)."""
     seed = stable_seed(M, K, N, r, split_k, str(dtype))
@@ -102,6 +102,36 @@ def test_decode_stream_kernel_matches_float64(dtype, split_k, M, K, N, r):
     assert rel_err(P1, x.double() @ V.double()) < 1e-2
     y_inference, _ = custom_ops._C.linear_forward(x, W, bias, V, c, U, 1.25, 1, split_k, False)
     assert torch.equal(y_inference, first)
+
+
+hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+    reason="the streaming decode kernel needs a compute capability 9.0 GPU",
+)
+
+
+@hopper
+@pytest.mark.parametrize("M,K,N,r,projects", [(1, 4096, 4096, 32, True), (16, 14336, 1000, 8, True),
+                                              (16, 4096, 1000, 64, True), (1, 4096, 4096, 8, False)])
+def test_decode_stream_reads_each_calls_own_projection(M, K, N, r, projects):
+    """Above rank 16, or with slices of K longer than 1024, the streaming decode is two launches: the
+    projection Pc = s (x V) ⊙ c, then the stream over W, which starts before the projection has
+    finished and waits for it only before the update's share; otherwise one launch computes its own
+    share. Twenty calls back to back, each with its own codes (and its own Pc, allocated where the
+    last call's was freed), each match float64: no stream reads another call's projection. The profile
+    names the launches."""
+    x, W, b, V, _, U = operands(M, K, N, r, torch.bfloat16, codes=False, seed=stable_seed(M, K, N, r))
+    codes = [torch.randn(M, r, device=x.device, dtype=x.dtype) for _ in range(20)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        outs = [custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 1, 0, False)[0] for c in codes]
+        torch.cuda.synchronize()
+    names = {event.name for event in prof.events()}
+    assert any("decode_stream_kernel" in n for n in names)
+    assert any("decode_project_kernel" in n for n in names) == projects
+    for out, c in zip(outs, codes):
+        ref = linear_ref64(x, W, b, V, c, U, 1.5)
+        torch_err = rel_err(reference.bem_linear(x, W, b, V, c, U, 1.5), ref)
+        assert rel_err(out, ref) <= bound(torch_err, torch.bfloat16)
 
 
 def test_decode_dispatch_takes_unaligned_operands():

@@ -341,12 +341,13 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
     Tensor P = need_p ? at::empty({M, r}, x.options().dtype(at::kFloat)) : Tensor();
     args.Y = Y.data_ptr();
     args.P = need_p ? P.data_ptr<float>() : nullptr;
-    // The streaming kernel measured faster than the tiles kernel for r <= 32 and slower at r = 64.
-    if (mode == kDecode && r <= kDecodeStreamMaxRank && decode_stream_fits(args, cc_major(x.get_device()))) {
+    if (mode == kDecode && decode_stream_fits(args, cc_major(x.get_device()))) {
       args.split_k = split_k > 0 ? (int)split_k : decode_stream_split((int)N, (int)K, x.get_device());
       BEM_CHECK(args.split_k <= kDecodeStreamMaxCluster && (args.split_k & (args.split_k - 1)) == 0,
                   "the streaming decode kernel splits K over 1, 2, 4 or 8 blocks, got split_k = ", split_k);
       args.k_per_split = ((int)K + args.split_k * 32 - 1) / (args.split_k * 32) * 32;
+      Tensor Pc = decode_stream_projects_first(args) ? at::empty({M, (r + 15) / 16 * 16}, x.options()) : Tensor();
+      args.Pc = Pc.defined() ? Pc.data_ptr() : nullptr;
       C10_CUDA_CHECK(launch_decode_stream(dtype_of(x), args, stream_now()));
       return {Y, P};
     }

@@ -1,4 +1,4 @@
-// The BEM linear at decode sizes (M <= 16 tokens, Hopper) in one launch that streams W once:
+// The BEM linear at decode sizes (M <= 16 tokens, Hopper), reading W once:
 //
 //     Y = X W^T + b + s * ((X V) ⊙ codes) U^T
 //
@@ -7,14 +7,20 @@
 // what it copied, so no barrier ever stalls the stream; each copy is already in the layout of a
 // tensor-core operand (see the k-map note in common.cuh), and rows are read in long contiguous runs.
 // A block owns 128 rows of W over one slice of K; the CS blocks that share those rows form a
-// thread-block cluster. Since the update is linear in X V, each block adds its own share
-// s ((X V)_slice ⊙ c) U^T to its rows, and it does so first: the first loads of its X V are requested
-// before any of W (so they do not queue behind the whole grid's W requests), then the ring's first
-// kStages - 1 chunks, and the update's mma and short chain of barriers run while those are on their
-// way; they also leave the block's x in L1 for the stream's loop. After the stream and one
-// cluster barrier, block q of the cluster sums the CS partial results for its 128/CS rows through
-// distributed shared memory in a fixed order (deterministic, no workspace, no counters), adds b and
-// writes Y.
+// thread-block cluster. After the stream and one cluster barrier, block q of the cluster sums the CS
+// partial results for its 128/CS rows through distributed shared memory in a fixed order
+// (deterministic, no workspace, no counters), adds b and writes Y.
+//
+// The update needs P = X V, a sum over all of K, for every row tile. Two ways, chosen by measurement:
+// - in the block (ranks up to 16, slices up to kOwnProjectionMaxK): since the update is linear in X V,
+//   each block adds its own share s ((X V)_slice ⊙ c) U^T, computed before its stream (the first loads
+//   of its X V requested before any of W, so they do not queue behind the whole grid's copies). Every
+//   row tile reads all of V again, which costs r / 128 of W's bytes in L2 reads, and the X V phase
+//   delays the stream by its latency, which grows with the slice;
+// - in a projection launch before the stream (decode_project_kernel): one cluster reads X and V once and
+//   writes Pc = s (X V) ⊙ c; it lets the stream start at once (programmatic dependent launch), and the
+//   first block of each stream cluster loads Pc half-way through its stream and adds Pc U^T to its
+//   rows. That launch costs about 1.5-2 µs of the stream's time wherever the rank is.
 #include <cooperative_groups.h>
 
 #include <map>
@@ -37,18 +43,36 @@ constexpr int kChunk = 32;    // k per 16-byte load across the 4 threads of a ro
 // taken from L1, and the stream's loop reads x from L1 (16 tokens: 16 KB a block). On an H200, 8, 7,
 // 6 and 5 stages gave M = 16, 4096², r = 8: 1.30, 1.26, 1.24, 1.20x F.linear; M = 1: 1.14 -> 1.10x.
 constexpr int kStages = 5;
-constexpr int kEarlyChunks = 2;  // chunks of a warp's X V job whose operands are requested before W
 constexpr int kTokens = kDecodeStreamMaxTokens;
-constexpr int kRankSteps = kDecodeStreamMaxRank / 16;  // k16 steps of the update's mma
 constexpr int kYLd = kRows + 4;
-// Dynamic shared memory: the ring, then the update's buffers (live while W streams); the partial
-// X W^T (ys, read by the cluster at the end) reuses the ring's bytes once the stream is done.
+constexpr int kPartFloats = kTokens * 8;  // one warp's X V result: 16 tokens x 8 ranks
+// Dynamic shared memory: the ring, then (in-block projection only) the X V buffers, live until the
+// stream starts; the partial X W^T (ys, read by the cluster at the end) reuses the ring's bytes.
 constexpr int kRingBytes = kStages * 2 * kThreads * 16;
-constexpr int kZpartOffset = kRingBytes;                                        // float [8 jobs][16][8]
-constexpr int kZbOffset = kZpartOffset + kWarps * kTokens * 8 * 4;              // float [16][r]
-constexpr int kZcOffset = kZbOffset + kTokens * kDecodeStreamMaxRank * 4;  // T [16][r padded to 16]
-constexpr int kSmemBytes = kZcOffset + kTokens * kDecodeStreamMaxRank * 2;
+constexpr int kOwnMaxRank = 16;
+constexpr int kZpartOffset = kRingBytes;                                  // float [8 warps][16][8]
+constexpr int kZbOffset = kZpartOffset + kWarps * kPartFloats * 4;        // float [16][16]
+constexpr int kZcOffset = kZbOffset + kTokens * kOwnMaxRank * 4;          // T [16][16]
+constexpr int kOwnSmemBytes = kZcOffset + kTokens * kOwnMaxRank * 2;
 static_assert(kTokens * kYLd * 4 <= kRingBytes, "ys must fit in the ring's bytes");
+
+// The in-block projection: ranks up to kOwnMaxRank and slices of K up to this. Measured on an H200
+// (x F.linear, in-block / projection launch): 4096², slices of 512, M = 1 r = 8 1.09 / 1.17, r = 16
+// 1.17 / 1.17, M = 16 r = 8 1.20 / 1.26; 2048² M = 1 r = 8 1.17 / 1.40; 14336 x 4096 (slices of
+// 1792) M = 1 r = 8 1.34 / 1.17; 4096 x 14336 (2048) M = 1 r = 8 1.18 / 1.14; r = 32 at 4096², M = 1:
+// 1.38 / 1.20.
+constexpr int kOwnProjectionMaxK = 1024;
+constexpr int kEarlyChunks = 2;  // chunks of a warp's in-block X V whose operands are requested before W
+
+// The projection launch's cluster: up to kProjectBlocks blocks split K, at least kProjectMinK columns each.
+constexpr int kProjectBlocks = 8;
+constexpr int kProjectMinK = 256;
+constexpr int kProjectBatch = 4;  // chunks whose loads a warp has in flight at once
+
+__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+// Returns once the launch this one depends on has finished and its writes are visible (at once when
+// this grid was launched without a programmatic dependency: the stream's order already holds).
+__device__ __forceinline__ void wait_for_prerequisite() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 
 // U[row][j], U[row][j + 1] as one mma operand word, zeros past the rank or outside the matrix.
 template <typename T>
@@ -58,8 +82,10 @@ __device__ __forceinline__ uint32_t u_pair(const T* u_row, bool row_ok, int j, i
 }
 
 // The fixed-order sum over the cluster's CS blocks of buf[i] in each block's shared memory; every remote
-// read is issued before the first add, so their latencies overlap.
-__device__ __forceinline__ float cluster_sum(cg::cluster_group& cluster, float* buf, int i, int cs) {
+// read is issued before the first add, so their latencies overlap. (A template: cluster groups exist only
+// in the sm_90 pass of the compiler, and an sm_80 build must still compile this file.)
+template <typename Cluster>
+__device__ __forceinline__ float cluster_sum(Cluster& cluster, float* buf, int i, int cs) {
   float part[kDecodeStreamMaxCluster];
 #pragma unroll
   for (int s = 0; s < kDecodeStreamMaxCluster; ++s) part[s] = s < cs ? cluster.map_shared_rank(buf, s)[i] : 0.f;
@@ -70,24 +96,172 @@ __device__ __forceinline__ float cluster_sum(cg::cluster_group& cluster, float* 
   return sum;
 }
 
+// One warp's share of X V over a block's slice [k_begin, k_end) of K: tokens as the m16 rows of
+// mma.sync, 8 ranks per n8 tile; warp w takes rank tile w / kparts over every kparts-th chunk.
+// V is K x r, rank-contiguous, while an mma B operand holds pairs along k: thread (g, c) needs V's
+// k = 8c..8c+7 (its x fragment's k) at rank j. Where V's rows are 16-byte aligned (r % 8 == 0), each
+// lane loads one k-row of the warp's 8-rank tile in one 16-byte load and a per-warp staging tile (512
+// bytes) with ldmatrix.trans hands out the operands; otherwise each thread loads its 8 values one by one.
 template <typename T, int NT>
+struct SliceProjection {
+  const T* x0;
+  const T* x1;
+  const T* V;
+  int r, k_begin, k_end, nchunks, kparts, kp, jt, j, lane, c;
+  bool x_ok0, x_ok1, v_rows, live;
+  unsigned stage_address;
+  uint4* stage_row;
+
+  __device__ SliceProjection(const DecodeArgs& p, int begin, int end, unsigned char* stage) {
+    const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4;
+    lane = threadIdx.x % 32;
+    c = lane % 4;
+    r = p.r;
+    k_begin = begin;
+    k_end = end;
+    nchunks = k_end > k_begin ? (k_end - k_begin + kChunk - 1) / kChunk : 0;
+    const int jtiles = (r + 7) / 8;
+    kparts = kWarps / jtiles;
+    live = warp < jtiles * kparts;
+    jt = warp / kparts;
+    kp = warp % kparts;
+    j = jt * 8 + g;
+    const T* X = static_cast<const T*>(p.X);
+    x_ok0 = g < p.M;
+    x_ok1 = g + 8 < p.M;
+    x0 = X + (size_t)(x_ok0 ? g : 0) * p.K + 8 * c;
+    x1 = X + (size_t)(x_ok1 ? g + 8 : 0) * p.K + 8 * c;
+    V = static_cast<const T*>(p.V);
+    v_rows = r % 8 == 0 && (reinterpret_cast<uintptr_t>(V) & 15) == 0;
+    // Lane L = 8c + 2t + u holds k-row L and stores it at row 8t + 2c + u of the staging tile, so that
+    // ldmatrix.trans gives thread (g, c) the k pairs (8c + 2t, 8c + 2t + 1) of rank g as word t.
+    stage_address = smem_address(stage) + 16 * lane;
+    stage_row = reinterpret_cast<uint4*>(stage) + 8 * ((lane % 8) / 2) + 2 * (lane / 8) + lane % 2;
+  }
+
+  // Chunk q's operands (zeros past the slice, or for a warp without a job): x's two fragments, and V's
+  // staged row or four operand words.
+  __device__ __forceinline__ void load(int q, uint4& a0, uint4& a1, uint4& v) const {
+    const int k = k_begin + q * kChunk;
+    const bool in = live && q < nchunks && k + 8 * c < k_end;
+    a0 = in && x_ok0 ? ld_cached16(x0 + k) : zero4();
+    a1 = NT == 2 && in && x_ok1 ? ld_cached16(x1 + k) : zero4();  // NT == 1: M <= 8, no row g + 8
+    if (v_rows) {
+      const bool row_in = live && q < nchunks && k + lane < k_end;
+      v = row_in ? ld_cached16(V + (size_t)(k + lane) * r + 8 * jt) : zero4();
+      return;
+    }
+    const bool v_in = in && j < r;
+    const T* vp = V + (v_in ? (size_t)(k + 8 * c) * r + j : 0);
+    T e[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) e[i] = v_in ? vp[(size_t)i * r] : from_acc<T>(0.f);
+    v = make_uint4(pack2(e[0], e[1]), pack2(e[2], e[3]), pack2(e[4], e[5]), pack2(e[6], e[7]));
+  }
+
+  __device__ __forceinline__ void mma(float (&z)[4], const uint4& a0, const uint4& a1, uint4 v) const {
+    if (v_rows) {  // uniform over the block
+      *stage_row = v;
+      __syncwarp();
+      v = ldmatrix_x4_trans(stage_address);
+      __syncwarp();  // every lane has its operands before the next chunk overwrites the tile
+    }
+    mma_16816<T>(z, a0.x, a1.x, a0.y, a1.y, v.x, v.y);
+    mma_16816<T>(z, a0.z, a1.z, a0.w, a1.w, v.z, v.w);
+  }
+
+  // z (tokens g, g + 8 x ranks 2c, 2c + 1 of the warp's tile) into the warp's 16 x 8 part.
+  __device__ __forceinline__ void store(float* part, const float (&z)[4]) const {
+    const int g = lane / 4;
+    part[g * 8 + 2 * c] = z[0];
+    part[g * 8 + 2 * c + 1] = z[1];
+    part[(g + 8) * 8 + 2 * c] = z[2];
+    part[(g + 8) * 8 + 2 * c + 1] = z[3];
+  }
+
+  // The block's X V (M x r, row stride ld) from the warps' parts, summed in a fixed order. After a barrier.
+  __device__ __forceinline__ float block_sum(const float* zpart, int m, int jj) const {
+    float sum = 0.f;
+    for (int part = 0; part < kparts; ++part) sum += zpart[((jj / 8) * kparts + part) * kPartFloats + m * 8 + jj % 8];
+    return sum;
+  }
+};
+
+// Pc = s (X V) ⊙ c (M x rp, input dtype, zero past r) and P = X V (fp32, when p.P is set), on one
+// cluster whose blocks split K, for the stream launched after it.
+template <typename T, int NT>
+__global__ void __launch_bounds__(kThreads) decode_project_kernel(DecodeArgs p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __shared__ float zpart[kWarps * kPartFloats];
+  __shared__ float zb[kTokens * kDecodeStreamMaxRank];  // this block's partial X V
+  __shared__ __align__(16) unsigned char stage[kWarps][512];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int cs = (int)cluster.num_blocks();
+  const int rank = (int)cluster.block_rank();
+  const int M = p.M, K = p.K, r = p.r, rp = (r + 15) / 16 * 16;
+  const int warp = threadIdx.x / 32;
+  const int k_per_block = (K + cs * kChunk - 1) / (cs * kChunk) * kChunk;
+  const SliceProjection<T, NT> proj(p, rank * k_per_block, min(K, (rank + 1) * k_per_block), stage[warp]);
+
+  uint4 a0[kProjectBatch], a1[kProjectBatch], v[kProjectBatch];
+  auto load_batch = [&](int q0) {  // every load of the batch before the first mma
+#pragma unroll
+    for (int i = 0; i < kProjectBatch; ++i) proj.load(q0 + i * proj.kparts, a0[i], a1[i], v[i]);
+  };
+  float z[4] = {0.f, 0.f, 0.f, 0.f};
+  if (proj.live) load_batch(proj.kp);
+  // The stream may start once this block's first loads are on their way: its copies of W, requested
+  // by the whole grid at once, then queue behind them.
+  launch_dependents();
+  if (proj.live) {
+    for (int q0 = proj.kp;;) {
+#pragma unroll
+      for (int i = 0; i < kProjectBatch; ++i) proj.mma(z, a0[i], a1[i], v[i]);
+      q0 += kProjectBatch * proj.kparts;
+      if (q0 >= proj.nchunks) break;
+      load_batch(q0);
+    }
+    proj.store(zpart + warp * kPartFloats, z);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < M * r; i += kThreads)
+    zb[(i / r) * kDecodeStreamMaxRank + i % r] = proj.block_sum(zpart, i / r, i % r);
+  cluster.sync();  // every block's partial X V is complete and visible to the cluster
+
+  // The cluster's sum in a fixed order, its elements spread over the cluster's blocks.
+  const T* codes = static_cast<const T*>(p.codes);
+  T* Pc = static_cast<T*>(p.Pc);
+  for (int i = rank * kThreads + threadIdx.x; i < M * rp; i += cs * kThreads) {
+    const int m = i / rp, jj = i % rp;
+    float pc = 0.f;
+    if (jj < r) {
+      const float sum = cluster_sum(cluster, zb, m * kDecodeStreamMaxRank + jj, cs);
+      if (p.P) p.P[m * r + jj] = sum;
+      pc = sum * p.scale * (codes ? to_acc(codes[m * r + jj]) : 1.f);
+    }
+    Pc[i] = from_acc<T>(pc);  // rounded to the input dtype, as PyTorch rounds it
+  }
+  cluster.sync();  // no block leaves while another still reads its shared memory
+#endif
+}
+
+// OWN: the in-block projection (RS == 1); otherwise Pc comes from decode_project_kernel. RS: the
+// update's k16 steps (1, 2 or 4: ranks up to 16, 32 or 64), so that the update's operands take no
+// more registers than the rank needs.
+template <typename T, int NT, int RS, bool OWN>
 __global__ void __launch_bounds__(kThreads, 3) decode_stream_kernel(DecodeArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static_assert(!OWN || RS * 16 <= kOwnMaxRank, "the in-block projection's buffers hold 16 ranks");
   extern __shared__ __align__(16) unsigned char smem[];
-  uint4* ring = reinterpret_cast<uint4*>(smem);                    // [stage][row g | g + 8][thread]
-  float* ys = reinterpret_cast<float*>(smem);                      // after the stream: partial X W^T + update
-  float* zpart = reinterpret_cast<float*>(smem + kZpartOffset);    // per-warp partial X V fragments
-  float* zb = reinterpret_cast<float*>(smem + kZbOffset);          // this block's partial X V (M x r)
-  T* zc = reinterpret_cast<T*>(smem + kZcOffset);                  // s * zb ⊙ c as mma operands, 0-padded
+  uint4* ring = reinterpret_cast<uint4*>(smem);  // [stage][row g | g + 8][thread]
+  float* ys = reinterpret_cast<float*>(smem);    // after the stream: partial X W^T + update
   cg::cluster_group cluster = cg::this_cluster();
   const int cs = (int)cluster.num_blocks();
   const int rank = (int)cluster.block_rank();
 
   const T* X = static_cast<const T*>(p.X);
   const T* W = static_cast<const T*>(p.W);
-  const T* V = static_cast<const T*>(p.V);
   const T* U = static_cast<const T*>(p.U);
-  const T* codes = static_cast<const T*>(p.codes);
   const T* bias = static_cast<const T*>(p.bias);
   T* Y = static_cast<T*>(p.Y);
   const int M = p.M, N = p.N, K = p.K, r = p.r;
@@ -107,6 +281,8 @@ __global__ void __launch_bounds__(kThreads, 3) decode_stream_kernel(DecodeArgs p
   const bool w_ok0 = row0 < N, w_ok1 = row0 + 8 < N;
   const T* w0 = W + (size_t)(w_ok0 ? row0 : 0) * K + 8 * c;
   const T* w1 = W + (size_t)(w_ok1 ? row0 + 8 : 0) * K + 8 * c;
+  const T* u0 = U + (size_t)(w_ok0 ? row0 : 0) * r;
+  const T* u1 = U + (size_t)(w_ok1 ? row0 + 8 : 0) * r;
 
   auto issue = [&](int q) {  // chunk q's two W fragments of this thread into its ring slot
     const int k = k_begin + q * kChunk, slot = q % kStages;
@@ -120,146 +296,129 @@ __global__ void __launch_bounds__(kThreads, 3) decode_stream_kernel(DecodeArgs p
     xa = in && x_ok0 ? ld_cached16(x0 + k) : zero4();
     if constexpr (NT == 2) xb = in && x_ok1 ? ld_cached16(x1 + k) : zero4();
   };
-
-  // ---- The update's share: X V over this block's slice, tokens as the m16 rows, 8 ranks per n8 tile ----
-  // Each warp takes one job: a rank tile, over every kparts-th chunk while there are fewer tiles than
-  // warps. The operands of its first kEarlyChunks chunks are requested before W, so they do not queue
-  // behind it.
-  const int jtiles = (r + 7) / 8;
-  const int kparts = kWarps / jtiles;
-  const bool xv_warp = warp < jtiles * kparts;
-  const int jt = warp / kparts, kp = warp % kparts;
-  const int j = jt * 8 + g;
-  // V is K x r, rank-contiguous, while an mma B operand holds pairs along k: thread (g, c) needs V's
-  // k = 8c..8c+7 (its x fragment's k) at rank j. Where V's rows are 16-byte aligned (r % 8 == 0), each
-  // lane loads one k-row of the warp's 8-rank tile in one 16-byte load and a per-warp staging tile with
-  // ldmatrix.trans hands out the operands; otherwise each thread loads its 8 values one by one.
-  const bool v_rows = r % 8 == 0 && (reinterpret_cast<uintptr_t>(V) & 15) == 0;
-  auto load_v = [&](int q, bool live) -> uint4 {  // one chunk's V: the staged row, or the 4 operand words
-    const int k = k_begin + q * kChunk;
-    if (v_rows) {
-      const bool in = live && q < nchunks && k + lane < k_end;
-      return in ? ld_cached16(V + (size_t)(k + lane) * r + 8 * jt) : zero4();
-    }
-    const bool in = live && q < nchunks && k + 8 * c < k_end && j < r;
-    const T* vp = V + (in ? (size_t)(k + 8 * c) * r + j : 0);
-    T v[8];
+  // The update's A operand: U's fragments for this thread's rows (g, g + 8), ranks 16s + 2c, + 1 and
+  // 16s + 2c + 8, + 9: {row g lo, row g+8 lo, row g hi, row g+8 hi}.
+  uint32_t ua[RS][4];
+  auto load_u = [&]() {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) v[e] = in ? vp[(size_t)e * r] : from_acc<T>(0.f);
-    return make_uint4(pack2(v[0], v[1]), pack2(v[2], v[3]), pack2(v[4], v[5]), pack2(v[6], v[7]));
+    for (int s = 0; s < RS; ++s) {
+      const int jj = 16 * s + 2 * c;
+      ua[s][0] = u_pair(u0, w_ok0, jj, r);
+      ua[s][1] = u_pair(u1, w_ok1, jj, r);
+      ua[s][2] = u_pair(u0, w_ok0, jj + 8, r);
+      ua[s][3] = u_pair(u1, w_ok1, jj + 8, r);
+    }
   };
-  uint4 pa0[kEarlyChunks], pa1[kEarlyChunks], pv[kEarlyChunks];
-#pragma unroll
-  for (int i = 0; i < kEarlyChunks; ++i) {
-    const int q = kp + i * kparts;
-    const int k = k_begin + q * kChunk;
-    const bool in = xv_warp && q < nchunks && k + 8 * c < k_end;
-    pa0[i] = in && x_ok0 ? ld_cached16(x0 + k) : zero4();
-    pa1[i] = NT == 2 && in && x_ok1 ? ld_cached16(x1 + k) : zero4();  // NT == 1: M <= 8, no row g + 8
-    pv[i] = load_v(q, xv_warp);
-  }
 
-  // ---- W starts streaming: the first kStages - 1 chunks of this thread's ring ----
-#pragma unroll
-  for (int q = 0; q < kStages - 1; ++q) {
-    issue(q);
-    cp_async_commit();
-  }
-
-  // U's fragments for this thread's rows (g, g + 8), loaded now so their latency overlaps X V's.
-  const T* u0 = U + (size_t)(w_ok0 ? row0 : 0) * r;
-  const T* u1 = U + (size_t)(w_ok1 ? row0 + 8 : 0) * r;
-  uint32_t ua[kRankSteps][4];
-#pragma unroll
-  for (int s = 0; s < kRankSteps; ++s) {
-    const int jj = 16 * s + 2 * c;  // ranks jj, jj + 1 and jj + 8, jj + 9: {row g lo, row g+8 lo, row g hi, row g+8 hi}
-    const bool live = 16 * s < rp;
-    ua[s][0] = live ? u_pair(u0, w_ok0, jj, r) : 0u;
-    ua[s][1] = live ? u_pair(u1, w_ok1, jj, r) : 0u;
-    ua[s][2] = live ? u_pair(u0, w_ok0, jj + 8, r) : 0u;
-    ua[s][3] = live ? u_pair(u1, w_ok1, jj + 8, r) : 0u;
-  }
-
-  if (xv_warp) {
-    // The staging tile is this warp's slice of zpart (512 bytes), free until the warp's results go there.
-    // Lane L = 8c + 2t + u holds k-row L and stores it at row 8t + 2c + u, so that ldmatrix.trans gives
-    // thread (g, c) the k pairs (8c + 2t, 8c + 2t + 1) of rank g as word t.
-    unsigned char* stage = smem + kZpartOffset + warp * (kTokens * 8 * 4);
-    const unsigned stage_address = static_cast<unsigned>(__cvta_generic_to_shared(stage)) + 16 * lane;
-    uint4* stage_row = reinterpret_cast<uint4*>(stage) + 8 * ((lane % 8) / 2) + 2 * (lane / 8) + lane % 2;
-    float z[4] = {0.f, 0.f, 0.f, 0.f};
-    auto xv_mma = [&](const uint4& a0, const uint4& a1, uint4 vw) {
-      if (v_rows) {  // uniform over the block
-        *stage_row = vw;
-        __syncwarp();
-        vw = ldmatrix_x4_trans(stage_address);
-        __syncwarp();  // every lane has its operands before the next chunk overwrites the tile
-      }
-      mma_16816<T>(z, a0.x, a1.x, a0.y, a1.y, vw.x, vw.y);
-      mma_16816<T>(z, a0.z, a1.z, a0.w, a1.w, vw.z, vw.w);
-    };
-#pragma unroll
-    for (int i = 0; i < kEarlyChunks; ++i) xv_mma(pa0[i], pa1[i], pv[i]);
-#pragma unroll 4
-    for (int q = kp + kEarlyChunks * kparts; q < nchunks; q += kparts) {
-      const int k = k_begin + q * kChunk;
-      const bool in = k + 8 * c < k_end;
-      const uint4 a0 = in && x_ok0 ? ld_cached16(x0 + k) : zero4();
-      const uint4 a1 = NT == 2 && in && x_ok1 ? ld_cached16(x1 + k) : zero4();
-      xv_mma(a0, a1, load_v(q, true));
-    }
-    // z: tokens (g, g+8) x ranks (2c, 2c+1) of this tile.
-    float* zp = zpart + warp * (kTokens * 8);
-    zp[g * 8 + 2 * c] = z[0];
-    zp[g * 8 + 2 * c + 1] = z[1];
-    zp[(g + 8) * 8 + 2 * c] = z[2];
-    zp[(g + 8) * 8 + 2 * c + 1] = z[3];
-  }
-  __syncthreads();
-  for (int i = tid; i < kTokens * rp; i += kThreads) {
-    const int m = i / rp, j = i % rp, jt = j / 8;
-    float sum = 0.f;
-    if (m < M && j < r) {
-      for (int kp = 0; kp < kparts; ++kp) sum += zpart[(jt * kparts + kp) * (kTokens * 8) + m * 8 + j % 8];
-      zb[m * r + j] = sum;
-      sum *= p.scale * (codes ? to_acc(codes[m * r + j]) : 1.f);
-    }
-    zc[m * rp + j] = from_acc<T>(sum);
-  }
-  __syncthreads();
-
-  // acc = U[rows] (s zb ⊙ c)^T, k = rank; then X W^T accumulates on top.
-  // acc[t] holds rows (g, g+8) x tokens (8t + 2c, 8t + 2c + 1) of Y^T.
+  // acc[t] holds rows (g, g+8) x tokens (8t + 2c, 8t + 2c + 1) of Y^T: the update, then X W^T on top.
   float acc[NT][4] = {};
+  uint4 xa, xb = zero4();
+  auto stream = [&](int q_from, int q_to) {  // X W^T over chunks [q_from, q_to) of the slice
+#pragma unroll 2
+    for (int q = q_from; q < q_to; ++q) {
+      issue(q + kStages - 1);
+      cp_async_commit();
+      uint4 xa_next, xb_next = zero4();
+      load_x(q + 1, xa_next, xb_next);  // the next chunk's x is in flight while this one computes
+      cp_async_wait<kStages - 1>();     // this thread's copies of chunk q have landed
+      const int slot = q % kStages;
+      const uint4 wa = ring[(slot * 2) * kThreads + tid], wb = ring[(slot * 2 + 1) * kThreads + tid];
+      mma_16816<T>(acc[0], wa.x, wb.x, wa.y, wb.y, xa.x, xa.y);
+      mma_16816<T>(acc[0], wa.z, wb.z, wa.w, wb.w, xa.z, xa.w);
+      if constexpr (NT == 2) {
+        mma_16816<T>(acc[NT - 1], wa.x, wb.x, wa.y, wb.y, xb.x, xb.y);
+        mma_16816<T>(acc[NT - 1], wa.z, wb.z, wa.w, wb.w, xb.z, xb.w);
+      }
+      xa = xa_next;
+      xb = xb_next;
+    }
+  };
+  auto start_ring = [&]() {  // the first kStages - 1 chunks of this thread's ring
 #pragma unroll
-  for (int s = 0; s < kRankSteps; ++s) {
-    if (16 * s >= rp) break;
+    for (int q = 0; q < kStages - 1; ++q) {
+      issue(q);
+      cp_async_commit();
+    }
+  };
+
+  if constexpr (OWN) {
+    // ---- The update's share first: s ((X V)_slice ⊙ c) U^T over this block's slice ----
+    float* zpart = reinterpret_cast<float*>(smem + kZpartOffset);
+    float* zb = reinterpret_cast<float*>(smem + kZbOffset);  // this block's partial X V (M x 16)
+    T* zc = reinterpret_cast<T*>(smem + kZcOffset);           // s zb ⊙ c as mma operands, 0-padded
+    // The staging tile is this warp's slice of zpart (512 bytes), free until the warp's results go there.
+    const SliceProjection<T, NT> proj(p, k_begin, k_end, smem + kZpartOffset + warp * kPartFloats * 4);
+    uint4 pa0[kEarlyChunks], pa1[kEarlyChunks], pv[kEarlyChunks];
+#pragma unroll
+    for (int i = 0; i < kEarlyChunks; ++i) proj.load(proj.kp + i * proj.kparts, pa0[i], pa1[i], pv[i]);
+    start_ring();
+    load_u();  // now, so its latency overlaps X V's
+    if (proj.live) {
+      float z[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int i = 0; i < kEarlyChunks; ++i) proj.mma(z, pa0[i], pa1[i], pv[i]);
+#pragma unroll 4
+      for (int q = proj.kp + kEarlyChunks * proj.kparts; q < proj.nchunks; q += proj.kparts) {
+        uint4 a0, a1, v;
+        proj.load(q, a0, a1, v);
+        proj.mma(z, a0, a1, v);
+      }
+      proj.store(zpart + warp * kPartFloats, z);
+    }
+    __syncthreads();
+    for (int i = tid; i < kTokens * rp; i += kThreads) {
+      const int m = i / rp, jj = i % rp;
+      float sum = 0.f;
+      if (m < M && jj < r) {
+        sum = proj.block_sum(zpart, m, jj);
+        zb[m * kOwnMaxRank + jj] = sum;
+        sum *= p.scale * (p.codes ? to_acc(static_cast<const T*>(p.codes)[m * r + jj]) : 1.f);
+      }
+      zc[m * rp + jj] = from_acc<T>(sum);
+    }
+    __syncthreads();
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
-      const T* zt = zc + (8 * t + g) * rp + 16 * s + 2 * c;  // even offset: one 4-byte word per pair
-      mma_16816<T>(acc[t], ua[s][0], ua[s][1], ua[s][2], ua[s][3], *reinterpret_cast<const uint32_t*>(zt),
+      const T* zt = zc + (8 * t + g) * rp + 2 * c;  // even offset: one 4-byte word per pair
+      mma_16816<T>(acc[t], ua[0][0], ua[0][1], ua[0][2], ua[0][3], *reinterpret_cast<const uint32_t*>(zt),
                    *reinterpret_cast<const uint32_t*>(zt + 8));
     }
-  }
-
-  // ---- X W^T over this block's slice of K ----
-  uint4 xa, xb = zero4(), xa_next, xb_next = zero4();
-  load_x(0, xa, xb);
-  for (int q = 0; q < nchunks; ++q) {
-    issue(q + kStages - 1);
-    cp_async_commit();
-    load_x(q + 1, xa_next, xb_next);  // the next chunk's x is in flight while this one computes
-    cp_async_wait<kStages - 1>();     // this thread's copies of chunk q have landed
-    const int slot = q % kStages;
-    const uint4 wa = ring[(slot * 2) * kThreads + tid], wb = ring[(slot * 2 + 1) * kThreads + tid];
-    mma_16816<T>(acc[0], wa.x, wb.x, wa.y, wb.y, xa.x, xa.y);
-    mma_16816<T>(acc[0], wa.z, wb.z, wa.w, wb.w, xa.z, xa.w);
-    if constexpr (NT == 2) {
-      mma_16816<T>(acc[NT - 1], wa.x, wb.x, wa.y, wb.y, xb.x, xb.y);
-      mma_16816<T>(acc[NT - 1], wa.z, wb.z, wa.w, wb.w, xb.z, xb.w);
+    load_x(0, xa, xb);
+    stream(0, nchunks);
+  } else {
+    start_ring();
+    load_x(0, xa, xb);
+    // Two halves: between them the first block of the cluster requests the update's operands, U's
+    // fragments and Pc's (tokens as the mma's n8 columns, rank as k), which arrive while the second
+    // half streams. Pc was written by the projection, which has finished by then, so the wait returns
+    // at once. (Loaded inside one loop, behind a branch, they kept the compiler from unrolling it: the
+    // next chunk's x was then requested only after the ring's wait, M = 16, 4096 x 14336: 1.77x.)
+    const bool adds_update = rank == 0;
+    const int half = nchunks / 2;
+    stream(0, half);
+    uint32_t pcw[NT][RS][2];
+    if (adds_update) {
+      wait_for_prerequisite();
+      load_u();
+      const T* Pc = static_cast<const T*>(p.Pc);
+#pragma unroll
+      for (int s = 0; s < RS; ++s)
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          const bool ok = 8 * t + g < M;
+          const uint32_t* pc = reinterpret_cast<const uint32_t*>(Pc + (size_t)(ok ? (8 * t + g) * rp + 16 * s + 2 * c : 0));
+          pcw[t][s][0] = ok ? __ldcg(pc) : 0u;      // ranks 16s + 2c, + 1
+          pcw[t][s][1] = ok ? __ldcg(pc + 4) : 0u;  // ranks 16s + 2c + 8, + 9
+        }
     }
-    xa = xa_next;
-    xb = xb_next;
+    stream(half, nchunks);
+    if (adds_update) {  // acc += U[rows] Pc^T, k = rank
+#pragma unroll
+      for (int s = 0; s < RS; ++s)
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+          mma_16816<T>(acc[t], ua[s][0], ua[s][1], ua[s][2], ua[s][3], pcw[t][s][0], pcw[t][s][1]);
+    }
   }
   cp_async_wait<0>();
   __syncthreads();  // every thread is done with the ring: ys takes its bytes
@@ -271,7 +430,7 @@ __global__ void __launch_bounds__(kThreads, 3) decode_stream_kernel(DecodeArgs p
     ys[m * kYLd + n + 8] = acc[t][2];
     ys[(m + 1) * kYLd + n + 8] = acc[t][3];
   }
-  cluster.sync();  // every block's ys and zb are complete and visible to the cluster
+  cluster.sync();  // every block's ys (and zb) is complete and visible to the cluster
 
   // ---- Sum the cluster's partial rows [rank * rows, (rank + 1) * rows) in a fixed order ----
   const int rows = kRows / cs, row_begin = rank * rows;
@@ -282,45 +441,83 @@ __global__ void __launch_bounds__(kThreads, 3) decode_stream_kernel(DecodeArgs p
     if (bias) y += to_acc(bias[n]);
     Y[(size_t)m * N + n] = from_acc<T>(y);
   }
-  if (p.P && blockIdx.x == 0 && rank == 0) {  // X V for the backward (skipped at inference)
-    for (int i = tid; i < M * r; i += kThreads) p.P[i] = cluster_sum(cluster, zb, i, cs);
+  if constexpr (OWN) {
+    if (p.P && blockIdx.x == 0 && rank == 0) {  // X V for the backward (skipped at inference)
+      float* zb = reinterpret_cast<float*>(smem + kZbOffset);
+      for (int i = tid; i < M * r; i += kThreads) p.P[i] = cluster_sum(cluster, zb, (i / r) * kOwnMaxRank + i % r, cs);
+    }
   }
   cluster.sync();  // no block leaves while another still reads its shared memory
 #endif
 }
 
-cudaLaunchConfig_t launch_config(const DecodeArgs& a, cudaLaunchAttribute* attribute, cudaStream_t stream) {
+cudaLaunchConfig_t stream_config(const DecodeArgs& a, cudaLaunchAttribute* attribute, cudaStream_t stream,
+                                 int smem_bytes, bool after_projection) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3((a.N + kRows - 1) / kRows, a.split_k, 1);
   config.blockDim = dim3(kThreads, 1, 1);
-  config.dynamicSmemBytes = kSmemBytes;
+  config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
   attribute[0].id = cudaLaunchAttributeClusterDimension;
   attribute[0].val.clusterDim.x = 1;
   attribute[0].val.clusterDim.y = a.split_k;
   attribute[0].val.clusterDim.z = 1;
+  attribute[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[1].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
-  config.numAttrs = 1;
+  config.numAttrs = after_projection ? 2 : 1;
   return config;
 }
 
-template <typename T, int NT>
-cudaError_t launch_typed(const DecodeArgs& a, cudaStream_t stream) {
-  cudaError_t err = raise_smem_limit<decode_stream_kernel<T, NT>>(kSmemBytes);
+int project_blocks(int K) {
+  int blocks = kProjectBlocks;
+  while (blocks > 1 && K / blocks < kProjectMinK) blocks /= 2;
+  return blocks;
+}
+
+template <typename T, int NT, int RS, bool OWN>
+cudaError_t launch_stream(const DecodeArgs& a, cudaStream_t stream) {
+  const int smem_bytes = OWN ? kOwnSmemBytes : kRingBytes;
+  cudaError_t err = raise_smem_limit<decode_stream_kernel<T, NT, RS, OWN>>(smem_bytes);
   if (err != cudaSuccess) return err;
-  cudaLaunchAttribute attribute[1];
-  const cudaLaunchConfig_t config = launch_config(a, attribute, stream);
-  return cudaLaunchKernelEx(&config, decode_stream_kernel<T, NT>, a);
+  if (!OWN) {
+    const int blocks = project_blocks(a.K);
+    cudaLaunchConfig_t project = {};
+    project.gridDim = dim3(blocks, 1, 1);
+    project.blockDim = dim3(kThreads, 1, 1);
+    project.stream = stream;
+    cudaLaunchAttribute project_cluster[1];
+    project_cluster[0].id = cudaLaunchAttributeClusterDimension;
+    project_cluster[0].val.clusterDim.x = blocks;
+    project_cluster[0].val.clusterDim.y = 1;
+    project_cluster[0].val.clusterDim.z = 1;
+    project.attrs = project_cluster;
+    project.numAttrs = 1;
+    err = cudaLaunchKernelEx(&project, decode_project_kernel<T, NT>, a);
+    if (err != cudaSuccess) return err;
+  }
+  cudaLaunchAttribute attribute[2];
+  const cudaLaunchConfig_t config = stream_config(a, attribute, stream, smem_bytes, /*after_projection=*/!OWN);
+  return cudaLaunchKernelEx(&config, decode_stream_kernel<T, NT, RS, OWN>, a);
+}
+
+template <typename T, int NT>
+cudaError_t launch_ranks(const DecodeArgs& a, cudaStream_t stream) {
+  if (a.r <= kOwnMaxRank && a.k_per_split <= kOwnProjectionMaxK) return launch_stream<T, NT, 1, true>(a, stream);
+  return a.r <= 16 ? launch_stream<T, NT, 1, false>(a, stream)
+         : a.r <= 32 ? launch_stream<T, NT, 2, false>(a, stream)
+                     : launch_stream<T, NT, 4, false>(a, stream);
 }
 
 template <typename T>
 cudaError_t launch_tokens(const DecodeArgs& a, cudaStream_t stream) {
-  return a.M <= 8 ? launch_typed<T, 1>(a, stream) : launch_typed<T, 2>(a, stream);
+  return a.M <= 8 ? launch_ranks<T, 1>(a, stream) : launch_ranks<T, 2>(a, stream);
 }
 
 // How many clusters of `cs` blocks the device runs at once: clusters live inside one GPC, so this is
 // less than (blocks per multiprocessor x multiprocessors) / cs, and a grid with more clusters than
-// this runs a second wave. Read once per device and cluster size.
+// this runs a second wave. Read once per device and cluster size (for the in-block form, whose
+// shared memory is the larger).
 int resident_clusters(int cs, int device) {
   static std::mutex lock;
   static std::map<std::pair<int, int>, int> cache;
@@ -328,13 +525,14 @@ int resident_clusters(int cs, int device) {
   auto found = cache.find({device, cs});
   if (found != cache.end()) return found->second;
   int clusters = 0;
-  if (raise_smem_limit<decode_stream_kernel<__nv_bfloat16, 2>>(kSmemBytes) == cudaSuccess) {
+  auto* kernel = decode_stream_kernel<__nv_bfloat16, 2, 1, true>;
+  if (raise_smem_limit<decode_stream_kernel<__nv_bfloat16, 2, 1, true>>(kOwnSmemBytes) == cudaSuccess) {
     DecodeArgs probe{};
     probe.N = kRows;
     probe.split_k = cs;
-    cudaLaunchAttribute attribute[1];
-    const cudaLaunchConfig_t config = launch_config(probe, attribute, nullptr);
-    if (cudaOccupancyMaxActiveClusters(&clusters, decode_stream_kernel<__nv_bfloat16, 2>, &config) != cudaSuccess) {
+    cudaLaunchAttribute attribute[2];
+    const cudaLaunchConfig_t config = stream_config(probe, attribute, nullptr, kOwnSmemBytes, false);
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
       cudaGetLastError();  // not sticky: clear it, and plan as if nothing were resident
       clusters = 0;
     }
@@ -358,9 +556,14 @@ int decode_stream_split(int N, int K, int device) {
   return 1;
 }
 
+bool decode_stream_projects_first(const DecodeArgs& a) {
+  return !(a.r <= kOwnMaxRank && a.k_per_split <= kOwnProjectionMaxK);
+}
+
 cudaError_t launch_decode_stream(DType dtype, const DecodeArgs& args, cudaStream_t stream) {
   if (args.split_k < 1 || args.split_k > kDecodeStreamMaxCluster || kRows % args.split_k != 0 ||
-      args.k_per_split % kChunk != 0 || (size_t)args.split_k * args.k_per_split < (size_t)args.K)
+      args.k_per_split % kChunk != 0 || (size_t)args.split_k * args.k_per_split < (size_t)args.K ||
+      (decode_stream_projects_first(args) && args.Pc == nullptr))
     return cudaErrorInvalidValue;
   return dispatch_half(dtype, [&](auto t) { return launch_tokens<typename decltype(t)::type>(args, stream); });
 }

@@ -84,6 +84,7 @@ struct DecodeArgs {
   float* P;
   float* ws;
   float* ws_p;
+  void* Pc;  // the streaming kernel's s (X V) ⊙ codes: M x (r rounded up to 16) of the input dtype
   int M, N, K, r;
   float scale;
   bool w_transposed;
@@ -96,14 +97,16 @@ int decode_k_per_split(int K, int split_k);
 cudaError_t launch_decode_linear(DType dtype, const DecodeArgs& args, cudaStream_t stream);
 
 // The streaming decode kernel (sm_90, M <= kDecodeStreamMaxTokens, r <= kDecodeStreamMaxRank, W
-// row-major, K % 8 == 0, X and W 16-byte aligned): split_k is the thread-block cluster size (1, 2, 4
-// or 8), k_per_split a multiple of 32; no workspace. decode_stream_fits says whether it takes the call
-// (cc_major: the device's).
+// row-major, K % 8 == 0, X and W 16-byte aligned), two launches: split_k is the stream's thread-block
+// cluster size (1, 2, 4 or 8), k_per_split a multiple of 32; Pc is its only scratch (M x round_up(r, 16)
+// values of the input dtype, needed where decode_stream_projects_first). decode_stream_fits says whether
+// it takes the call (cc_major: the device's).
 constexpr int kDecodeStreamMaxTokens = 16;
-constexpr int kDecodeStreamMaxRank = 32;  // its shared-memory plan; above it the tiles kernel measured faster
+constexpr int kDecodeStreamMaxRank = 64;  // the update's operands live in the first block's registers
 constexpr int kDecodeStreamMaxCluster = 8;
 bool decode_stream_fits(const DecodeArgs& args, int cc_major);
 int decode_stream_split(int N, int K, int device);
+bool decode_stream_projects_first(const DecodeArgs& args);  // after split_k and k_per_split are set
 cudaError_t launch_decode_stream(DType dtype, const DecodeArgs& args, cudaStream_t stream);
 
 // The backward's low-rank pieces at decode sizes (M <= kDecodeMaxTokens, fp16/bf16), in two launches
