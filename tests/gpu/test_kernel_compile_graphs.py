@@ -35,10 +35,13 @@ def test_compile_fullgraph_forward_and_backward():
     assert torch.allclose(grads[1].float(), U.grad.float(), rtol=2e-2, atol=1e-3)
 
 
-@pytest.mark.parametrize("M,K,N", [(1, 512, 384), (16, 512, 384), (200, 512, 384), (6000, 768, 768)])
-def test_cuda_graph_capture_and_replay(M, K, N):
-    """Decode, small prefill and (M = 6000, 768²) the GEMM with the update inside, where it runs."""
-    x, W, b, V, c, U = operands(M, K, N, 8, torch.bfloat16, codes=True, seed=M)
+@pytest.mark.parametrize("M,K,N,r", [(1, 512, 384, 8), (16, 512, 384, 8), (1, 4096, 520, 32), (16, 14336, 384, 8),
+                                     (200, 512, 384, 8), (6000, 768, 768, 8)])
+def test_cuda_graph_capture_and_replay(M, K, N, r):
+    """Decode (on Hopper the streaming kernel: in one launch, then, at rank 32 and with long slices of K,
+    after its projection launch, a programmatic dependency the capture must keep), small prefill and
+    (M = 6000, 768²) the GEMM with the update inside, where it runs."""
+    x, W, b, V, c, U = operands(M, K, N, r, torch.bfloat16, codes=True, seed=M)
     static_x, static_c = x.clone(), c.clone()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -50,7 +53,7 @@ def test_cuda_graph_capture_and_replay(M, K, N):
     with torch.cuda.graph(graph):
         static_y = ops.bem_linear(static_x, W, b, V, static_c, U, 1.0)
     for seed in range(3):  # fresh inputs copied in, graph replayed
-        x2, _, _, _, c2, _ = operands(M, K, N, 8, torch.bfloat16, codes=True, seed=100 + seed)
+        x2, _, _, _, c2, _ = operands(M, K, N, r, torch.bfloat16, codes=True, seed=100 + seed)
         static_x.copy_(x2)
         static_c.copy_(c2)
         graph.replay()
