@@ -341,6 +341,8 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
     Tensor P = need_p ? at::empty({M, r}, x.options().dtype(at::kFloat)) : Tensor();
     args.Y = Y.data_ptr();
     args.P = need_p ? P.data_ptr<float>() : nullptr;
+    // The streaming kernel measured faster than the tiles kernel at every rank it takes (up to 64: at
+    // M = 1, 4096², 1.53x against 1.98x F.linear).
     if (mode == kDecode && decode_stream_fits(args, cc_major(x.get_device()))) {
       args.split_k = split_k > 0 ? (int)split_k : decode_stream_split((int)N, (int)K, x.get_device());
       BEM_CHECK(args.split_k <= kDecodeStreamMaxCluster && (args.split_k & (args.split_k - 1)) == 0,

@@ -97,9 +97,10 @@ int decode_k_per_split(int K, int split_k);
 cudaError_t launch_decode_linear(DType dtype, const DecodeArgs& args, cudaStream_t stream);
 
 // The streaming decode kernel (sm_90, M <= kDecodeStreamMaxTokens, r <= kDecodeStreamMaxRank, W
-// row-major, K % 8 == 0, X and W 16-byte aligned), two launches: split_k is the stream's thread-block
+// row-major, K % 8 == 0, X and W 16-byte aligned), one launch, or two where
+// decode_stream_projects_first (a projection before the stream): split_k is the stream's thread-block
 // cluster size (1, 2, 4 or 8), k_per_split a multiple of 32; Pc is its only scratch (M x round_up(r, 16)
-// values of the input dtype, needed where decode_stream_projects_first). decode_stream_fits says whether
+// values of the input dtype, needed for the projection). decode_stream_fits says whether
 // it takes the call (cc_major: the device's).
 constexpr int kDecodeStreamMaxTokens = 16;
 constexpr int kDecodeStreamMaxRank = 64;  // the update's operands live in the first block's registers
