@@ -179,7 +179,7 @@ struct SliceProjection {
     part[(g + 8) * 8 + 2 * c + 1] = z[3];
   }
 
-  // The block's X V (M x r, row stride ld) from the warps' parts, summed in a fixed order. After a barrier.
+  // Element (m, jj) of the block's X V from the warps' parts, summed in a fixed order. After a barrier.
   __device__ __forceinline__ float block_sum(const float* zpart, int m, int jj) const {
     float sum = 0.f;
     for (int part = 0; part < kparts; ++part) sum += zpart[((jj / 8) * kparts + part) * kPartFloats + m * 8 + jj % 8];
@@ -503,7 +503,7 @@ cudaError_t launch_stream(const DecodeArgs& a, cudaStream_t stream) {
 
 template <typename T, int NT>
 cudaError_t launch_ranks(const DecodeArgs& a, cudaStream_t stream) {
-  if (a.r <= kOwnMaxRank && a.k_per_split <= kOwnProjectionMaxK) return launch_stream<T, NT, 1, true>(a, stream);
+  if (!decode_stream_projects_first(a)) return launch_stream<T, NT, 1, true>(a, stream);
   return a.r <= 16 ? launch_stream<T, NT, 1, false>(a, stream)
          : a.r <= 32 ? launch_stream<T, NT, 2, false>(a, stream)
                      : launch_stream<T, NT, 4, false>(a, stream);
