@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Whole-project run on a CUDA machine: build the extension once, then the requested steps, each with
 # its own time limit and log under $OUT; a one-line summary per step is printed last.
-# Usage: bash scripts/gpu_validate.sh [probe] [errors] [kernel-tests] [gpu-tests] [profile] [train] [breakdown]
+# Usage: bash scripts/gpu_validate.sh [probe] [errors] [kernel-tests] [gpu-tests] [profile] [train] [breakdown] [prefill-breakdown]
 #        [bench] [bench-shapes] [sass] [ncu] [cpu-tests]   (bench-shapes reads BENCH_SHAPES, e.g. 1x4096x4096x8,...)
 set -o pipefail
 OUT=${OUT:-out}
@@ -45,6 +45,7 @@ for what in "$@"; do
         --steps 6 --warmup 2 --rounds 2 --json "$OUT/train.json" ;;
     bench) step bench 480 python3 -m bem.kernels.bench --json "$OUT/bench.json" ;;
     breakdown) step breakdown 300 env PYTHONPATH=. python3 scripts/decode_breakdown.py ;;
+    prefill-breakdown) step prefill_breakdown 300 env PYTHONPATH=. python3 scripts/prefill_breakdown.py ;;
     cpu-tests) step cpu_tests 300 python3 -m pytest -q -x -p no:cacheprovider tests --ignore=tests/gpu ;;
     *) echo "unknown step $what" >&2; exit 2 ;;
   esac

@@ -95,10 +95,11 @@ class _StubExtension:
     """Stands in for bem._C: records the direct inference calls, answers or refuses them as told."""
 
     def __init__(self, refuse: bool):
-        self.refuse, self.calls = refuse, []
+        self.refuse, self.calls, self.v_t = refuse, [], []
 
-    def linear_forward(self, x, weight, bias, V, codes, U, scaling, need_p=True):
+    def linear_forward(self, x, weight, bias, V, codes, U, scaling, need_p=True, V_t=None):
         self.calls.append((x.shape, None if codes is None else codes.shape, need_p))
+        self.v_t.append(V_t)
         if self.refuse:
             raise ValueError("bem: an operand the stub does not take")
         return torch.full((*x.shape[:-1], U.shape[0]), 7.0, dtype=x.dtype), None
@@ -121,6 +122,41 @@ def test_inference_calls_the_extension_with_leading_dims_and_falls_back_when_ref
         assert torch.equal(out, reference.bem_linear(x, W, b, V, c, U, 0.5))
     else:
         assert out.shape == (2, 3, 8) and bool((out == 7.0).all())
+
+
+def test_bem_linear_keeps_v_transposed_for_prefill_inference_calls(monkeypatch):
+    """At prefill sizes an inference call hands the extension V^T, copied once and kept until V changes;
+    at decode sizes (the decode kernels read V) and with autograd it hands none."""
+    from bem.kernels import custom_ops
+    from bem.modules.bem_linear import BEMLinear, RoutingContext
+
+    stub = _StubExtension(refuse=False)
+    monkeypatch.setattr(custom_ops, "_C", stub)
+    monkeypatch.setattr(ops, "_inference_call", lambda x, V: not torch.is_grad_enabled())
+    layer = BEMLinear(torch.nn.Linear(16, 8), rank=4, alpha=8.0, dropout=0.0, module_index=0,
+                      context=RoutingContext())
+    rows = custom_ops.decode_auto_max_tokens() + 1
+    prefill, decode = torch.randn(1, rows, 16), torch.randn(1, rows - 1, 16)
+    with torch.no_grad():
+        layer(prefill)
+        layer(prefill)
+        first, second = stub.v_t
+        assert first is second and first.is_contiguous() and torch.equal(first, layer.bem_V.t())
+        layer.bem_V.add_(1.0)  # an in-place change (an optimizer step, load_state_dict)
+        layer(prefill)
+        assert stub.v_t[-1] is not first and torch.equal(stub.v_t[-1], layer.bem_V.t())
+        layer.bem_V = torch.nn.Parameter(torch.randn(16, 4))  # a replaced parameter
+        layer(prefill)
+        assert torch.equal(stub.v_t[-1], layer.bem_V.t())
+        layer(decode)
+        assert stub.v_t[-1] is None
+    layer(prefill)  # autograd: the general path, no direct call
+    assert len(stub.v_t) == 5
+    with torch.inference_mode():  # a module made in inference mode: V has no version counter, nothing kept
+        made_there = BEMLinear(torch.nn.Linear(16, 8), rank=4, alpha=8.0, dropout=0.0, module_index=0,
+                               context=RoutingContext())
+        made_there(prefill)
+    assert made_there.bem_V.is_inference() and stub.v_t[-1] is None
 
 
 def test_no_direct_inference_call_on_the_cpu():

@@ -33,6 +33,12 @@ def decode_max_tokens() -> int:
     return int(getattr(_C, "DECODE_MAX_TOKENS", 0)) if _C is not None else 0
 
 
+def decode_auto_max_tokens() -> int:
+    """Most tokens for which the fused linear picks the one-launch decode kernel by itself; above that it
+    runs the prefill compositions, which read V^T."""
+    return int(getattr(_C, "DECODE_AUTO_MAX_TOKENS", 16))
+
+
 def _extension() -> ModuleType:
     if _C is None:
         raise RuntimeError("the BEM CUDA extension is not loaded; bem.kernels.ops routes such calls to the reference")

@@ -150,11 +150,16 @@ def bem_linear(
     U: torch.Tensor,
     scaling: float,
     use_fused: bool = True,
+    V_t: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """`x W^T + b + s * ((x V) ⊙ codes) U^T`, W: (N, K) (a transposed view of a (K, N) tensor is fine)."""
+    """`x W^T + b + s * ((x V) ⊙ codes) U^T`, W: (N, K) (a transposed view of a (K, N) tensor is fine).
+
+    V_t: V transposed, (r, K) and contiguous, when the caller keeps one; the direct inference call hands
+    it to the prefill kernels, which read V^T and would otherwise copy V on every call."""
     if use_fused and _inference_call(x, V):
         try:
-            return custom_ops._C.linear_forward(x, weight, bias, V, codes, U, float(scaling), need_p=False)[0]
+            return custom_ops._C.linear_forward(x, weight, bias, V, codes, U, float(scaling), need_p=False,
+                                                V_t=V_t)[0]
         except ValueError:
             pass  # an operand the kernels do not take as it is: the path below copies, casts or explains
     autocast_dtype = _autocast_dtype(x) if use_fused else None

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from transformers.pytorch_utils import Conv1D
 
-from ..kernels import ops
+from ..kernels import custom_ops, ops
 
 
 class RoutingContext:
@@ -75,6 +75,10 @@ class BEMLinear(nn.Module):
         self.bem_V = nn.Parameter(torch.empty(in_features, rank, **factory))
         self.bem_U = nn.Parameter(torch.zeros(out_features, rank, **factory))
         self.reset_bem_parameters()
+        # V^T as the prefill kernels read it, kept at inference until V changes (see _kept_v_t)
+        self._v_t: Optional[torch.Tensor] = None
+        self._v_t_key: Optional[tuple] = None
+        self._decode_max_numel = custom_ops.decode_auto_max_tokens() * in_features
 
     def reset_bem_parameters(self) -> None:
         # V^T plays LoRA's A (r x K): Kaiming-uniform as LoRA initialises A; U = 0 keeps the base exact.
@@ -104,7 +108,22 @@ class BEMLinear(nn.Module):
     def _fused(self, x: torch.Tensor, V: torch.Tensor, codes: Optional[torch.Tensor], U: torch.Tensor) -> torch.Tensor:
         weight = self.base_layer.weight
         return ops.bem_linear(x, weight.t() if self.is_conv1d else weight, self.base_layer.bias, V, codes, U,
-                              self.scaling, self.use_fused_kernels)
+                              self.scaling, self.use_fused_kernels, V_t=self._kept_v_t(x, V))
+
+    def _kept_v_t(self, x: torch.Tensor, V: torch.Tensor) -> Optional[torch.Tensor]:
+        """V^T for an inference call at prefill sizes, copied once and kept until V changes (in place or
+        replaced); None otherwise. The prefill kernels read V^T: without it each call copies V, and at a
+        1024-token prompt that copy's launch costs as much host time as the update's own kernel."""
+        if x.numel() <= self._decode_max_numel or V is not self.bem_V or not ops._inference_call(x, V):
+            return None
+        if V.is_inference():
+            return None  # made inside inference mode: no version counter to tell an in-place change by
+        key = (V._version, V.data_ptr(), V.dtype)
+        if self._v_t_key != key:
+            with torch.inference_mode(False):  # a normal tensor: usable outside inference mode too
+                self._v_t = V.detach().t().contiguous()
+            self._v_t_key = key
+        return self._v_t
 
     def _forward_autocast(self, x: torch.Tensor, codes: Optional[torch.Tensor]) -> torch.Tensor:
         """Under autocast the update runs in the autocast dtype, as `F.linear` does: only the small

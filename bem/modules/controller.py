@@ -113,27 +113,30 @@ class HierarchicalController(nn.Module):
             self.gate_log_temperature = nn.Parameter(torch.zeros(()))
         else:
             self.gate = None
-        from .step_graph import StepGraphs  # CUDA-graph replay of the one-token decode step
+        from .controller_graphs import ControllerGraphs  # CUDA-graph replay of calls at inference
 
-        self.step_graphs = StepGraphs(self)
+        self.graphs = ControllerGraphs(self)
 
     # ------------------------------------------------------------------ shared pieces
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         params_dtype = self.input_proj.weight.dtype
         return self.input_proj(self.input_norm(hidden.to(params_dtype)))
 
-    def project_side(self, side_signals: Optional[torch.Tensor], batch: int) -> Optional[torch.Tensor]:
+    def check_side(self, side_signals: Optional[torch.Tensor], batch: int) -> None:
         if self.side_proj is None:
             if side_signals is not None:
                 raise ValueError("side_signals were given but the BEM config has side_signal_dim = null")
-            return None
+            return
         if side_signals is None:
             raise ValueError(f"this BEM expects side_signals of shape (batch, {self.side_signal_dim})")
         if side_signals.dim() != 2 or side_signals.shape != (batch, self.side_signal_dim):
             raise ValueError(
                 f"side_signals must have shape ({batch}, {self.side_signal_dim}), got {tuple(side_signals.shape)}"
             )
-        return self.side_proj(side_signals.to(self.side_proj.weight.dtype))
+
+    def project_side(self, side_signals: Optional[torch.Tensor], batch: int) -> Optional[torch.Tensor]:
+        self.check_side(side_signals, batch)
+        return None if self.side_proj is None else self.side_proj(side_signals.to(self.side_proj.weight.dtype))
 
     def _codes(self, z: torch.Tensor, p: torch.Tensor, chunk_ctx: torch.Tensor, out_dtype: torch.dtype):
         """Combine the levels for tokens with features z, prefix p and chunk context (all (B, T, d))."""
@@ -184,6 +187,26 @@ class HierarchicalController(nn.Module):
         """Codes for whole sequences starting at position 0. hidden: (B, T, H), mask: (B, T)."""
         B, T, _ = hidden.shape
         out_dtype = out_dtype or hidden.dtype
+        self._check_mask(attention_mask, B, T)
+        self.check_side(side_signals, B)
+        outputs = None
+        if self.graphs.forward_eligible(hidden):
+            outputs = self.graphs.run_forward(hidden, attention_mask, side_signals, out_dtype, return_state)
+        if outputs is None:
+            outputs = self.forward_math(hidden, attention_mask, side_signals, out_dtype, return_state)
+        codes, levels, state_tensors = outputs
+        state = None
+        if state_tensors is not None:
+            count, prefix_sum, chunk_ema, open_sum, side = state_tensors
+            state = RoutingState(count=count, prefix_sum=prefix_sum, chunk_ema=chunk_ema, open_sum=open_sum,
+                                 side=side, seen_tokens=T)
+        return RoutingOutput(codes=codes, state=state, levels=levels)
+
+    def forward_math(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                     side_signals: Optional[torch.Tensor], out_dtype: torch.dtype, return_state: bool) -> tuple:
+        """`forward` as pure tensor work on checked inputs (no host syncs), so a CUDA graph can replay it:
+        (codes, levels, (count, prefix_sum, chunk_ema, open_sum, side) or None)."""
+        B, T, _ = hidden.shape
         z = self.project(hidden)
         mask = self._mask(attention_mask, B, T, z.dtype, z.device)
         C, P = self.chunk_size, self.max_prefix_tokens
@@ -212,21 +235,12 @@ class HierarchicalController(nn.Module):
         chunk_ctx = torch.gather(chunk_ctx_per_chunk, 1, chunk_index.clamp(max=num_chunks - 1).unsqueeze(-1)
                                  .expand(B, T, z.shape[-1]))
         codes, levels = self._codes(z, p, chunk_ctx, out_dtype)
-
-        state = None
-        if return_state:
-            count = mask.sum(1).long()
-            open_chunk = (count // C).clamp(max=num_chunks - 1)
-            rows = torch.arange(B, device=z.device)
-            state = RoutingState(
-                count=count,
-                prefix_sum=prefix_sum[:, -1],
-                chunk_ema=ema[rows, open_chunk],
-                open_sum=chunk_sum[rows, open_chunk],
-                side=side,
-                seen_tokens=T,
-            )
-        return RoutingOutput(codes=codes, state=state, levels=levels)
+        if not return_state:
+            return codes, levels, None
+        count = mask.sum(1).long()
+        open_chunk = (count // C).clamp(max=num_chunks - 1)
+        rows = torch.arange(B, device=z.device)
+        return codes, levels, (count, prefix_sum[:, -1], ema[rows, open_chunk], chunk_sum[rows, open_chunk], side)
 
     def _ema_over_chunks(self, summaries: torch.Tensor) -> torch.Tensor:
         """e_k = Σ_{j<k} (1-β) β^{k-1-j} f_j as one small matrix product over chunks."""
@@ -238,14 +252,18 @@ class HierarchicalController(nn.Module):
         return torch.einsum("kj,bjd->bkd", weights, summaries)
 
     @staticmethod
-    def _mask(attention_mask: Optional[torch.Tensor], B: int, T: int, dtype: torch.dtype,
-              device: torch.device) -> torch.Tensor:
-        if attention_mask is None:
-            return torch.ones(B, T, dtype=dtype, device=device)
-        if attention_mask.shape != (B, T):
+    def _check_mask(attention_mask: Optional[torch.Tensor], B: int, T: int) -> None:
+        if attention_mask is not None and attention_mask.shape != (B, T):
             raise ValueError(
                 f"attention_mask for the new tokens must have shape ({B}, {T}), got {tuple(attention_mask.shape)}"
             )
+
+    @classmethod
+    def _mask(cls, attention_mask: Optional[torch.Tensor], B: int, T: int, dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+        if attention_mask is None:
+            return torch.ones(B, T, dtype=dtype, device=device)
+        cls._check_mask(attention_mask, B, T)
         return (attention_mask != 0).to(dtype)
 
     # ------------------------------------------------------------------ incremental (cached) decoding
@@ -263,8 +281,8 @@ class HierarchicalController(nn.Module):
         out_dtype = out_dtype or hidden.dtype
         mask = self._mask(attention_mask, B, T, self.input_proj.weight.dtype, hidden.device)
         tensors = (state.count, state.prefix_sum, state.chunk_ema, state.open_sum, state.side)
-        if self.step_graphs.eligible(hidden):
-            codes, levels, *advanced = self.step_graphs.run(hidden, mask, tensors, out_dtype)
+        if self.graphs.step_eligible(hidden):
+            codes, levels, *advanced = self.graphs.run_step(hidden, mask, tensors, out_dtype)
         else:
             codes, levels, *advanced = self.step_math(hidden, mask, *tensors, out_dtype=out_dtype)
         count, prefix_sum, chunk_ema, open_sum = advanced

@@ -35,7 +35,7 @@ def test_graph_replayed_step_equals_the_eager_step_and_the_full_sequence(batch):
         full = controller(hidden, mask).codes
         results = {}
         for graphs in (True, False):
-            controller.step_graphs.enabled = graphs
+            controller.graphs.enabled = graphs
             out = controller(hidden[:, :4], mask[:, :4], return_state=True)
             pieces, state = [out.codes], out.state
             for t in range(4, 11):
@@ -43,10 +43,70 @@ def test_graph_replayed_step_equals_the_eager_step_and_the_full_sequence(batch):
                 pieces.append(step.codes.clone())
                 state = step.state
             results[graphs] = torch.cat(pieces, dim=2)
-    assert len(controller.step_graphs._captured) == 1
+    assert len(controller.graphs._steps) == 1
     real = mask.bool()
     assert torch.allclose(results[True], results[False], atol=1e-6)
     assert torch.allclose(results[True][:, real], full[:, real], atol=1e-5)
+
+
+@pytest.mark.parametrize("batch,padded,side", [(1, False, False), (3, True, False), (2, True, True)])
+def test_graph_replayed_forward_equals_the_eager_forward(batch, padded, side):
+    """A whole-sequence call is captured the second time its shape is seen and replayed after that, with
+    the eager call's codes, levels and routing state; the state is the caller's own copy."""
+    torch.manual_seed(batch)
+    controller = HierarchicalController(hidden_size=48, num_modules=5, rank=8, token_module_indices=[1, 3],
+                                        controller_dim=16, chunk_size=3, max_prefix_tokens=4,
+                                        side_signal_dim=6 if side else None).cuda().eval()
+    with torch.no_grad():
+        for name, param in controller.named_parameters():
+            if param.dim() >= 1 and name != "static_codes":
+                param.normal_(std=0.5)
+    mask = torch.ones(batch, 13, device="cuda", dtype=torch.long)
+    if padded:
+        mask[-1, :4] = 0
+    inputs = [(torch.randn(batch, 13, 48, device="cuda"), torch.randn(batch, 6, device="cuda") if side else None)
+              for _ in range(4)]
+    with torch.no_grad():
+        controller.graphs.enabled = False
+        eager = [controller(h, mask, s, return_state=True) for h, s in inputs]
+        controller.graphs.enabled = True
+        replayed = []
+        for index, ((h, s), e) in enumerate(zip(inputs, eager)):
+            replayed.append(controller(h, mask, s, return_state=True))
+            assert len(controller.graphs._forwards) == (0 if index == 0 else 1)
+            for name, value in e.levels.items():  # the latest call's levels, for routing_stats()
+                level = replayed[-1].levels[name]
+                assert (value is None and level is None) or torch.allclose(level, value, atol=1e-6), name
+    for e, g in zip(eager, replayed):  # codes and state are the caller's own, whatever ran after them
+        assert torch.allclose(g.codes, e.codes, atol=1e-6)
+        for name in ("count", "prefix_sum", "chunk_ema", "open_sum", "side"):
+            ev, gv = getattr(e.state, name), getattr(g.state, name)
+            assert (ev is None and gv is None) or torch.allclose(gv, ev, atol=1e-6), name
+    # the states came out of the same graph but are separate tensors
+    assert replayed[2].state.prefix_sum.data_ptr() != replayed[3].state.prefix_sum.data_ptr()
+    assert not torch.equal(replayed[2].state.prefix_sum, replayed[3].state.prefix_sum)
+
+
+def test_forward_graphs_only_for_repeated_small_calls():
+    from bem.modules import controller_graphs
+
+    controller = _controller(3)
+    limit_tokens = controller_graphs.FORWARD_MAX_CODE_VALUES // (controller.num_modules * controller.rank)
+    with torch.no_grad():
+        for length in (5, 6, 7):  # each seen once
+            controller(torch.randn(1, length, 48, device="cuda"))
+        assert not controller.graphs._forwards
+        big = torch.randn(1, limit_tokens + 1, 48, device="cuda")
+        controller(big), controller(big)
+        assert not controller.graphs._forwards
+        for length in range(8, 8 + controller_graphs.MAX_FORWARD_GRAPHS + 2):
+            hidden = torch.randn(1, length, 48, device="cuda")
+            controller(hidden), controller(hidden)
+        assert len(controller.graphs._forwards) == controller_graphs.MAX_FORWARD_GRAPHS
+    with torch.enable_grad():  # autograd: always eager
+        hidden = torch.randn(1, 8 + controller_graphs.MAX_FORWARD_GRAPHS + 1, 48, device="cuda")
+        out = controller(hidden)
+        assert out.codes.requires_grad
 
 
 def test_two_caches_never_share_state_buffers():
@@ -179,6 +239,30 @@ def test_linear_forward_takes_leading_dimensions(lead):
     y_rows, P_rows = custom_ops._C.linear_forward(x.reshape(-1, K), W, b, V, c.reshape(-1, r), U, 0.5)
     assert y.shape == (*lead, N) and P.shape == (x.numel() // K, r)
     assert torch.equal(y.reshape(-1, N), y_rows) and torch.equal(P, P_rows)
+
+
+@pytest.mark.skipif(not KERNELS_AVAILABLE, reason="needs the CUDA extension")
+@pytest.mark.parametrize("mode", [0, 2, 3, 4, 6])
+@pytest.mark.parametrize("M,K,N,r", [(1024, 2048, 512, 8), (300, 256, 1024, 16), (2048, 256, 4096, 8),
+                                     (517, 264, 136, 24)])
+def test_linear_forward_with_a_given_v_transposed_equals_the_copying_call(mode, M, K, N, r):
+    """V_t, V^T kept by the caller, replaces the copy the prefill paths make: bit-identical results."""
+    from bem.kernels import custom_ops
+
+    if mode == 6 and not custom_ops._C.fused_gemm_available():
+        pytest.skip("the GEMM with the update inside needs an sm_90a build on a compute capability 9.0 GPU")
+    if mode == 6 and (K % 8 or N % 8 or r % 8):
+        pytest.skip("the GEMM with the update inside takes K, N and the rank multiples of 8")
+    g = torch.Generator(device="cuda").manual_seed(M + K + N + r + mode)
+    make = lambda *shape: torch.randn(*shape, device="cuda", generator=g, dtype=torch.bfloat16)  # noqa: E731
+    x, c = make(M, K), make(M, r)
+    W, b, V, U = make(N, K) / K**0.5, make(N), make(K, r) / K**0.5, make(N, r)
+    y, P = custom_ops._C.linear_forward(x, W, b, V, c, U, 0.5, mode)
+    y_t, P_t = custom_ops._C.linear_forward(x, W, b, V, c, U, 0.5, mode, V_t=V.t().contiguous())
+    assert torch.equal(y, y_t) and torch.equal(P, P_t)
+    ref = (x.double() @ W.double().t() + b.double()
+           + 0.5 * ((x.double() @ V.double()) * c.double()) @ U.double().t())
+    assert (y_t.double() - ref).norm() / ref.norm() < 2e-2
 
 
 @pytest.mark.skipif(not KERNELS_AVAILABLE, reason="needs the CUDA extension")

@@ -55,6 +55,19 @@ def test_linear_forward_rejects_bad_weight_layout_and_rank():
                                      torch.randn(16, 32, device="cuda", dtype=torch.bfloat16), None, V, None, U, 1.0, 1)
 
 
+@pytest.mark.parametrize("make_v_t,message", [
+    (lambda V: V.t().contiguous()[:, :31], "V_t must be contiguous"),
+    (lambda V: V.contiguous(), "V_t must be V transposed"),
+    (lambda V: V.t().contiguous().float(), "V_t has dtype"),
+    (lambda V: V.t().contiguous().cpu(), "V_t is on cpu"),
+])
+def test_linear_forward_rejects_a_bad_v_transposed(make_v_t, message):
+    x, V, U = _args()
+    W = torch.randn(16, 32, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=message):
+        custom_ops._C.linear_forward(x, W, None, V, None, U, 1.0, V_t=make_v_t(V))
+
+
 def test_dispatch_handles_what_the_kernels_refuse():
     """Rank over 128 and a strided weight reach the reference or a copy, never a refused launch."""
     g = torch.Generator(device="cuda").manual_seed(5)

@@ -158,8 +158,10 @@ Tensor run_update_gemms(const Tensor& A, const Tensor& B, const OptTensor& codes
 }
 
 // Y (=|+=) s ((A B) ⊙ codes) U^T (+ bias); returns P = A B.
+// Bt_given: B^T (r x L, contiguous) when the caller keeps one, so that no copy is made here.
 Tensor run_update(const Tensor& A, const Tensor& B, const OptTensor& codes, const Tensor* U, const Tensor* bias,
-                  Tensor* Y, double scale, bool accumulate, int64_t kernel = kUpdateAuto, int64_t stream_tokens = 0) {
+                  Tensor* Y, double scale, bool accumulate, int64_t kernel = kUpdateAuto, int64_t stream_tokens = 0,
+                  const Tensor* Bt_given = nullptr) {
   // The projection alone (the backward's dY U): on an H200 cuBLAS read A at 85-100% of the read rate at
   // M = 16384, where the tiles kernel reached 20-51%, and was 1.2-3.6x faster at M = 4096 and K = 768.
   if (Y == nullptr && tensor_core_dtype(A)) return project_gemm(A, B);
@@ -181,7 +183,7 @@ Tensor run_update(const Tensor& A, const Tensor& B, const OptTensor& codes, cons
   args.expand = Y != nullptr;
   args.accumulate = accumulate;
   if (Y != nullptr && tma_takes(args, tensor_core_dtype(A), kernel, A.get_device())) {
-    const Tensor Bt = B.t().contiguous();  // r x L: a small copy, rows of B^T are contiguous
+    const Tensor Bt = Bt_given ? *Bt_given : B.t().contiguous();  // r x L: rows of B^T are contiguous
     Tensor P = at::empty({M, r}, A.options().dtype(at::kFloat));
     args.Bt = Bt.data_ptr();
     args.P = P.data_ptr();
@@ -195,7 +197,8 @@ Tensor run_update(const Tensor& A, const Tensor& B, const OptTensor& codes, cons
   const bool given = !stream && (small_m(A) || A.scalar_type() == at::kFloat);
   Tensor P = given ? project_gemm(A, B) : at::empty({M, r}, A.options().dtype(p_dtype(A)));
   if (M == 0 || (given && Y == nullptr)) return P;
-  const Tensor Bt = stream ? B.t().contiguous() : Tensor();  // r x L: a small copy, rows of B^T are contiguous
+  // r x L: rows of B^T are contiguous (a small copy unless the caller gave it)
+  const Tensor Bt = !stream ? Tensor() : Bt_given ? *Bt_given : B.t().contiguous();
   args.Bt = stream ? Bt.data_ptr() : nullptr;
   args.P = given ? nullptr : P.data_ptr();
   args.P_in = given ? P.data_ptr() : nullptr;
@@ -303,11 +306,20 @@ GemmUpdateArgs gemm_update_args(const Tensor& x, const Tensor& weight, const Ten
   return args;
 }
 
+// V_t: V^T (r x K, contiguous) when the caller keeps one (a module at inference): the prefill paths
+// read V^T, and without it each call makes a copy, one more launch.
 std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& V,
                                        const OptTensor& codes, const Tensor& U, double scale, int64_t mode,
-                                       int64_t split_k, bool need_p) {
+                                       int64_t split_k, bool need_p, const OptTensor& V_t) {
   check_update_operands(x, V, codes, U);
   check_weight(x, weight, bias, U);
+  if (V_t.has_value()) {
+    check_like(*V_t, "V_t", x);
+    check_contiguous(*V_t, "V_t");
+    BEM_CHECK(V_t->dim() == 2 && V_t->size(0) == V.size(1) && V_t->size(1) == V.size(0),
+              "V_t must be V transposed, (r, K) = (", V.size(1), ", ", V.size(0), "), got ", V_t->sizes());
+  }
+  const Tensor* Vt_given = V_t.has_value() ? &*V_t : nullptr;
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t M = x.size(0), N = U.size(0), K = x.size(1), r = V.size(1);
   const bool fits_decode = tensor_core_dtype(x) && M >= 1 && M <= kDecodeMaxTokens &&
@@ -372,19 +384,19 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
               weight.sizes(), " strides ", weight.strides(), ", rank ", r);
     Tensor Y = at::empty({M, N}, x.options());
     Tensor P = need_p ? at::empty({M, r}, x.options().dtype(at::kFloat)) : Tensor();
-    const Tensor Vt = V.t().contiguous();  // r x K: K-major, like x and the weight
+    const Tensor Vt = Vt_given ? *Vt_given : V.t().contiguous();  // r x K: K-major, like x and the weight
     C10_CUDA_CHECK(launch_gemm_update(dtype_of(x), gemm_update_args(x, weight, bias_ptr, Vt, codes, U, Y, P, scale),
                                       stream_now()));
     return {Y, P};
   }
   if (mode == kGemmThenUpdate) {
     Tensor Y = base_linear(x, weight, bias);
-    Tensor P = run_update(x, V, codes, &U, nullptr, &Y, scale, /*accumulate=*/true);
+    Tensor P = run_update(x, V, codes, &U, nullptr, &Y, scale, /*accumulate=*/true, kUpdateAuto, 0, Vt_given);
     return {Y, P};
   }
   if (mode == kUpdateThenGemm) {
     Tensor Y = at::empty({M, N}, x.options());
-    Tensor P = run_update(x, V, codes, &U, bias_ptr, &Y, scale, /*accumulate=*/false);
+    Tensor P = run_update(x, V, codes, &U, bias_ptr, &Y, scale, /*accumulate=*/false, kUpdateAuto, 0, Vt_given);
     Y.addmm_(x, weight.t());
     return {Y, P};
   }
@@ -401,8 +413,8 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
 // flattening here instead of in Python saves a few microseconds of host time per call at decode sizes.
 std::tuple<Tensor, Tensor> linear_forward(const Tensor& x, const Tensor& weight, const OptTensor& bias,
                                           const Tensor& V, const OptTensor& codes, const Tensor& U, double scale,
-                                          int64_t mode, int64_t split_k, bool need_p) {
-  if (x.dim() == 2) return linear_rows(x, weight, bias, V, codes, U, scale, mode, split_k, need_p);
+                                          int64_t mode, int64_t split_k, bool need_p, const OptTensor& V_t) {
+  if (x.dim() == 2) return linear_rows(x, weight, bias, V, codes, U, scale, mode, split_k, need_p, V_t);
   BEM_CHECK(x.dim() > 2, "x must be (..., K) with at least one leading dimension, got shape ", x.sizes());
   check_contiguous(x, "x");
   const int64_t lead = x.dim() - 1;
@@ -415,7 +427,8 @@ std::tuple<Tensor, Tensor> linear_forward(const Tensor& x, const Tensor& weight,
     check_contiguous(*codes, "codes");
     codes_rows = codes->view({rows, codes->size(-1)});
   }
-  auto [Y, P] = linear_rows(x.view({rows, x.size(-1)}), weight, bias, V, codes_rows, U, scale, mode, split_k, need_p);
+  auto [Y, P] =
+      linear_rows(x.view({rows, x.size(-1)}), weight, bias, V, codes_rows, U, scale, mode, split_k, need_p, V_t);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = Y.size(1);
   return {Y.view(shape), P};
@@ -439,7 +452,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("project", &bem::project, "A B in float32 (float64 for double inputs)", py::arg("A"), py::arg("B"));
   m.def("linear_forward", &bem::linear_forward, "(Y, P) = (x W^T + b + s ((x V) ⊙ codes) U^T, x V)",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("V"), py::arg("codes"), py::arg("U"),
-        py::arg("scaling"), py::arg("mode") = 0, py::arg("split_k") = 0, py::arg("need_p") = true);
+        py::arg("scaling"), py::arg("mode") = 0, py::arg("split_k") = 0, py::arg("need_p") = true,
+        py::arg("V_t") = py::none());
   m.def("decode_backward", &bem::decode_backward,
         "(dX, dV, dcodes, dU) of the BEM linear (weight given) or of the update, for 1..64 rows",
         py::arg("x"), py::arg("grad_y"), py::arg("weight"), py::arg("V"), py::arg("U"), py::arg("P"), py::arg("codes"),
@@ -450,5 +464,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_gemm_available", &bem::fused_gemm_available,
         "whether the GEMM with the update inside (linear mode 6, sm_90a) runs on the current device");
   m.attr("DECODE_MAX_TOKENS") = bem::kDecodeMaxTokens;
+  m.attr("DECODE_AUTO_MAX_TOKENS") = bem::kDecodeAutoMaxTokens;
   m.attr("MAX_FUSED_RANK") = bem::kMaxFusedRank;
 }

@@ -1,0 +1,131 @@
+"""CUDA-graph replay of the controller's calls at inference.
+
+The controller's work is dozens of small kernels whose launch cost, not their work, is what a user pays:
+once per generated token (the one-token decode step) and once per prompt (the whole-sequence call, about
+1.7 ms of host time at 1024 tokens on an H200, as long as a 1B model's prefill takes to launch a tenth of
+its work). For inference on CUDA such a call is captured per input shape and replayed: inputs are copied
+into the graph's buffers, one replay runs every kernel, and the codes and the routing state are copied
+out, so that no two calls or caches ever share them. The per-level tensors kept for `routing_stats()` stay
+the graph's own: they always hold the latest call's values.
+
+- the decode step is captured the first time a shape is seen (generation repeats it every token);
+- a whole-sequence call the second time (a prompt length seen once costs no capture), and only while its
+  codes hold at most `FORWARD_MAX_CODE_VALUES` values: each graph keeps its intermediates' memory, about
+  30 bytes per code value (60 MB at the limit), and at most `MAX_FORWARD_GRAPHS` are kept.
+
+Set `BEM_CONTROLLER_GRAPHS=0` to run every call eagerly.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from .controller import HierarchicalController
+
+FORWARD_MAX_CODE_VALUES = 2**21
+MAX_FORWARD_GRAPHS = 4
+MAX_STEP_GRAPHS = 8
+
+
+class _CapturedCall:
+    """One call captured with its input buffers; `run` copies new inputs in and replays it."""
+
+    def __init__(self, math: Callable[..., tuple], inputs: Sequence[Optional[torch.Tensor]]) -> None:
+        self.inputs = [None if t is None else t.clone() for t in inputs]
+        side_stream = torch.cuda.Stream()
+        side_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side_stream):  # warm-up outside the graph, as capture requires
+            math(*self.inputs)
+        torch.cuda.current_stream().wait_stream(side_stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = math(*self.inputs)
+
+    def run(self, inputs: Sequence[Optional[torch.Tensor]]) -> tuple:
+        for buffer, value in zip(self.inputs, inputs):
+            if buffer is not None:
+                buffer.copy_(value)
+        self.graph.replay()
+        return self.outputs
+
+
+def _clone(tensors: Sequence[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
+    return [None if t is None else t.clone() for t in tensors]
+
+
+def _signature(tensors: Sequence[Optional[torch.Tensor]]) -> tuple:
+    return tuple(None if t is None else (tuple(t.shape), t.dtype, t.device) for t in tensors)
+
+
+class ControllerGraphs:
+    """Per-controller cache of captured calls (decode steps and whole-sequence calls)."""
+
+    def __init__(self, controller: "HierarchicalController") -> None:
+        self._controller_ref = [controller]  # a list: not registered as a submodule
+        self._steps: dict[tuple, _CapturedCall] = {}
+        self._forwards: dict[tuple, _CapturedCall] = {}
+        self._forward_sightings: dict[tuple, int] = {}
+        self.enabled = os.environ.get("BEM_CONTROLLER_GRAPHS", "1") != "0"
+
+    def _usable(self, hidden: torch.Tensor) -> bool:
+        return (
+            self.enabled
+            and hidden.is_cuda
+            and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+            and not torch.cuda.is_current_stream_capturing()
+        )
+
+    def _parameters_key(self) -> tuple:
+        # parameters are read by address: a replaced parameter (not an in-place update) needs a new capture
+        return tuple(p.data_ptr() for p in self._controller_ref[0].parameters())
+
+    # ------------------------------------------------------------------ decode step
+    def step_eligible(self, hidden: torch.Tensor) -> bool:
+        return hidden.shape[1] == 1 and self._usable(hidden)
+
+    def run_step(self, hidden: torch.Tensor, mask: torch.Tensor, state: tuple, out_dtype: torch.dtype):
+        controller = self._controller_ref[0]
+        inputs = (hidden, mask, *state)
+        key = (_signature(inputs), out_dtype, self._parameters_key())
+        captured = self._steps.get(key)
+        if captured is None:
+            if len(self._steps) >= MAX_STEP_GRAPHS:
+                self._steps.clear()
+            math = lambda *tensors: controller.step_math(*tensors, out_dtype=out_dtype)  # noqa: E731
+            captured = self._steps[key] = _CapturedCall(math, inputs)
+        codes, levels, *advanced = captured.run(inputs)
+        return (codes.clone(), levels, *_clone(advanced))
+
+    # ------------------------------------------------------------------ whole sequences
+    def forward_eligible(self, hidden: torch.Tensor) -> bool:
+        controller = self._controller_ref[0]
+        code_values = hidden.shape[0] * hidden.shape[1] * controller.num_modules * controller.rank
+        return code_values <= FORWARD_MAX_CODE_VALUES and self._usable(hidden)
+
+    def run_forward(self, hidden: torch.Tensor, mask: Optional[torch.Tensor], side_signals: Optional[torch.Tensor],
+                    out_dtype: torch.dtype, return_state: bool) -> Optional[tuple]:
+        """(codes, levels, state tensors or None) from a replay, or None where the call is not captured
+        (yet): the caller then runs it eagerly."""
+        controller = self._controller_ref[0]
+        inputs = (hidden, mask, side_signals)
+        key = (_signature(inputs), out_dtype, return_state, self._parameters_key())
+        captured = self._forwards.get(key)
+        if captured is None:
+            sightings = self._forward_sightings.get(key, 0) + 1
+            if sightings < 2:
+                if len(self._forward_sightings) >= 64:
+                    self._forward_sightings.clear()
+                self._forward_sightings[key] = sightings
+                return None
+            self._forward_sightings.pop(key, None)
+            if len(self._forwards) >= MAX_FORWARD_GRAPHS:
+                self._forwards.pop(next(iter(self._forwards)))  # the oldest capture
+            math = lambda h, m, s: controller.forward_math(h, m, s, out_dtype, return_state)  # noqa: E731
+            captured = self._forwards[key] = _CapturedCall(math, inputs)
+        codes, levels, state = captured.run(inputs)
+        return codes.clone(), levels, None if state is None else tuple(_clone(state))
