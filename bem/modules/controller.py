@@ -116,6 +116,7 @@ class HierarchicalController(nn.Module):
         from .controller_graphs import ControllerGraphs  # CUDA-graph replay of calls at inference
 
         self.graphs = ControllerGraphs(self)
+        self._ema_weights_made: dict[tuple, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ shared pieces
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -210,12 +211,12 @@ class HierarchicalController(nn.Module):
         z = self.project(hidden)
         mask = self._mask(attention_mask, B, T, z.dtype, z.device)
         C, P = self.chunk_size, self.max_prefix_tokens
-        pos = (mask.cumsum(1) - 1).clamp(min=0).long()  # position from the first real token
+        seen = mask.cumsum(1)  # real tokens up to and including t
+        pos = (seen - 1).clamp(min=0).long()  # position from the first real token
 
-        in_prefix = mask * (pos < P).to(mask.dtype)
+        in_prefix = mask * (seen <= P)
         prefix_sum = (z * in_prefix.unsqueeze(-1)).cumsum(1)
-        prefix_count = in_prefix.cumsum(1)
-        p = prefix_sum / prefix_count.clamp(min=1).unsqueeze(-1)
+        p = prefix_sum / seen.clamp(1, P).unsqueeze(-1)  # the prefix holds the first min(seen, P) real tokens
 
         # chunk sums over real tokens; padding goes to an extra slot that is dropped
         num_chunks = T // C + 1
@@ -244,12 +245,26 @@ class HierarchicalController(nn.Module):
 
     def _ema_over_chunks(self, summaries: torch.Tensor) -> torch.Tensor:
         """e_k = Σ_{j<k} (1-β) β^{k-1-j} f_j as one small matrix product over chunks."""
-        n = summaries.shape[1]
-        beta = self.ema_decay
-        k = torch.arange(n, device=summaries.device, dtype=summaries.dtype)
-        exponent = k.unsqueeze(1) - 1 - k.unsqueeze(0)  # k-1-j
-        weights = torch.where(exponent >= 0, (1 - beta) * beta ** exponent.clamp(min=0), torch.zeros_like(exponent))
-        return torch.einsum("kj,bjd->bkd", weights, summaries)
+        return torch.einsum("kj,bjd->bkd", self._ema_weights(summaries.shape[1], summaries), summaries)
+
+    def _ema_weights(self, n: int, like: torch.Tensor) -> torch.Tensor:
+        """The (n, n) matrix of the chunk EMA, made once per size, dtype and device (eight kernels less
+        per call) except while compiling, where it is part of the graph."""
+        key = (n, like.dtype, like.device, self.ema_decay)
+        compiling = torch.compiler.is_compiling()
+        weights = None if compiling else self._ema_weights_made.get(key)
+        if weights is None:
+            with torch.inference_mode(False), torch.no_grad():  # a constant usable in any later pass
+                beta = self.ema_decay
+                k = torch.arange(n, device=like.device, dtype=like.dtype)
+                exponent = k.unsqueeze(1) - 1 - k.unsqueeze(0)  # k-1-j
+                weights = torch.where(exponent >= 0, (1 - beta) * beta ** exponent.clamp(min=0),
+                                      torch.zeros_like(exponent))
+            if not compiling:
+                if len(self._ema_weights_made) >= 32:
+                    self._ema_weights_made.clear()
+                self._ema_weights_made[key] = weights
+        return weights
 
     @staticmethod
     def _check_mask(attention_mask: Optional[torch.Tensor], B: int, T: int) -> None:

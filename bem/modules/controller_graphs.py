@@ -36,20 +36,26 @@ class _CapturedCall:
 
     def __init__(self, math: Callable[..., tuple], inputs: Sequence[Optional[torch.Tensor]]) -> None:
         self.inputs = [None if t is None else t.clone() for t in inputs]
-        side_stream = torch.cuda.Stream()
-        side_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side_stream):  # warm-up outside the graph, as capture requires
-            math(*self.inputs)
-        torch.cuda.current_stream().wait_stream(side_stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.outputs = math(*self.inputs)
+        self.device = inputs[0].device
+        with torch.cuda.device(self.device):  # the graph and its streams on the inputs' device
+            side_stream = torch.cuda.Stream()
+            side_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side_stream):  # warm-up outside the graph, as capture requires
+                math(*self.inputs)
+            torch.cuda.current_stream().wait_stream(side_stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.outputs = math(*self.inputs)
 
     def run(self, inputs: Sequence[Optional[torch.Tensor]]) -> tuple:
         for buffer, value in zip(self.inputs, inputs):
             if buffer is not None:
                 buffer.copy_(value)
-        self.graph.replay()
+        if self.device.index == torch.cuda.current_device():
+            self.graph.replay()
+        else:
+            with torch.cuda.device(self.device):
+                self.graph.replay()
         return self.outputs
 
 
