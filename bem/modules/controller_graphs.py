@@ -1,17 +1,18 @@
 """CUDA-graph replay of the controller's calls at inference.
 
 The controller's work is dozens of small kernels whose launch cost, not their work, is what a user pays:
-once per generated token (the one-token decode step) and once per prompt (the whole-sequence call, about
-1.7 ms of host time at 1024 tokens on an H200, as long as a 1B model's prefill takes to launch a tenth of
-its work). For inference on CUDA such a call is captured per input shape and replayed: inputs are copied
-into the graph's buffers, one replay runs every kernel, and the codes and the routing state are copied
-out, so that no two calls or caches ever share them. The per-level tensors kept for `routing_stats()` stay
-the graph's own: they always hold the latest call's values.
+once per generated token (the one-token decode step) and once per prompt (the whole-sequence call: 1.65
+ms of host time at 1024 tokens on an H200, a ninth of a 1B model's whole prefill). For inference on CUDA
+such a call is captured per input shape and replayed: inputs are copied into the graph's buffers, one
+replay runs every kernel, and the codes and the routing state are copied out, so that no two calls or
+caches ever share them. The per-level tensors kept for `routing_stats()` stay the graph's own: they
+always hold the latest call's values.
 
 - the decode step is captured the first time a shape is seen (generation repeats it every token);
 - a whole-sequence call the second time (a prompt length seen once costs no capture), and only while its
-  codes hold at most `FORWARD_MAX_CODE_VALUES` values: each graph keeps its intermediates' memory, about
-  30 bytes per code value (60 MB at the limit), and at most `MAX_FORWARD_GRAPHS` are kept.
+  codes hold at most `FORWARD_MAX_CODE_VALUES` values (1170 tokens of a 1B Llama with 112 modules at rank
+  8): each graph keeps its intermediates' memory, about 50 bytes per code value (measured on an H200:
+  102 MiB for 2340 tokens of that model), and at most `MAX_FORWARD_GRAPHS` are kept.
 
 Set `BEM_CONTROLLER_GRAPHS=0` to run every call eagerly.
 """
@@ -26,7 +27,7 @@ import torch
 if TYPE_CHECKING:
     from .controller import HierarchicalController
 
-FORWARD_MAX_CODE_VALUES = 2**21
+FORWARD_MAX_CODE_VALUES = 2**20
 MAX_FORWARD_GRAPHS = 4
 MAX_STEP_GRAPHS = 8
 
