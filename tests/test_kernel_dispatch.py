@@ -159,6 +159,28 @@ def test_bem_linear_keeps_v_transposed_for_prefill_inference_calls(monkeypatch):
     assert made_there.bem_V.is_inference() and stub.v_t[-1] is None
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_bem_linear_reads_a_base_weight_that_is_not_a_parameter(bias):
+    """The wrapped layer reads its base's weight and bias from the parameter dict, and by attribute when
+    they are something else (a buffer, as some quantization libraries leave them)."""
+    from bem.modules.bem_linear import BEMLinear, RoutingContext
+
+    torch.manual_seed(0)
+    layer = BEMLinear(torch.nn.Linear(16, 8, bias=bias), rank=4, alpha=8.0, dropout=0.0, module_index=0,
+                      context=RoutingContext())
+    torch.nn.init.normal_(layer.bem_U)
+    x = torch.randn(2, 3, 16)
+    expected = layer(x)
+    base = layer.base_layer
+    weight = base._parameters.pop("weight").detach()
+    base.register_buffer("weight", weight)
+    if bias:
+        b = base._parameters.pop("bias").detach()
+        base.register_buffer("bias", b)
+    assert "weight" not in base._parameters
+    assert torch.equal(layer(x), expected)
+
+
 def test_no_direct_inference_call_on_the_cpu():
     x, _, _, V, _, _ = _operands(dtype=torch.bfloat16)
     with torch.no_grad():
