@@ -97,7 +97,8 @@ class _StubExtension:
     def __init__(self, refuse: bool):
         self.refuse, self.calls, self.v_t = refuse, [], []
 
-    def linear_forward(self, x, weight, bias, V, codes, U, scaling, need_p=True, V_t=None):
+    def linear_forward(self, x, weight, bias, V, codes, U, scaling, mode=0, split_k=0, need_p=True, V_t=None):
+        assert mode == 0 and split_k == 0  # the dispatch leaves both to the extension
         self.calls.append((x.shape, None if codes is None else codes.shape, need_p))
         self.v_t.append(V_t)
         if self.refuse:

@@ -158,8 +158,8 @@ def bem_linear(
     it to the prefill kernels, which read V^T and would otherwise copy V on every call."""
     if use_fused and _inference_call(x, V):
         try:
-            return custom_ops._C.linear_forward(x, weight, bias, V, codes, U, float(scaling), need_p=False,
-                                                V_t=V_t)[0]
+            # positional (mode 0: by shape; split 0: by shape; no x V): pybind matches keywords slower
+            return custom_ops._C.linear_forward(x, weight, bias, V, codes, U, float(scaling), 0, 0, False, V_t)[0]
         except ValueError:
             pass  # an operand the kernels do not take as it is: the path below copies, casts or explains
     autocast_dtype = _autocast_dtype(x) if use_fused else None
