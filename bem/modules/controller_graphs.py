@@ -9,10 +9,12 @@ caches ever share them. The per-level tensors kept for `routing_stats()` stay th
 always hold the latest call's values.
 
 - the decode step is captured the first time a shape is seen (generation repeats it every token);
-- a whole-sequence call the second time (a prompt length seen once costs no capture), and only while its
-  codes hold at most `FORWARD_MAX_CODE_VALUES` values (1170 tokens of a 1B Llama with 112 modules at rank
-  8): each graph keeps its intermediates' memory, about 50 bytes per code value (measured on an H200:
-  102 MiB for 2340 tokens of that model), and at most `MAX_FORWARD_GRAPHS` are kept.
+- a whole-sequence call the second time (a prompt length seen once costs no capture). Each graph keeps
+  its intermediates' memory, about 50 bytes per code value (tokens x modules x rank; measured on an
+  H200: 102 MiB for 2340 tokens of a 1B Llama with 112 modules at rank 8), so the graphs kept hold at
+  most `FORWARD_MAX_CODE_VALUES` code values together (about 200 MB; 4681 tokens of that model), the
+  oldest making room for a new one, and at most `MAX_FORWARD_GRAPHS` of them. A call above that
+  budget runs eagerly.
 
 Set `BEM_CONTROLLER_GRAPHS=0` to run every call eagerly.
 """
@@ -27,7 +29,7 @@ import torch
 if TYPE_CHECKING:
     from .controller import HierarchicalController
 
-FORWARD_MAX_CODE_VALUES = 2**20
+FORWARD_MAX_CODE_VALUES = 2**22
 MAX_FORWARD_GRAPHS = 4
 MAX_STEP_GRAPHS = 8
 
@@ -75,6 +77,7 @@ class ControllerGraphs:
         self._controller_ref = [controller]  # a list: not registered as a submodule
         self._steps: dict[tuple, _CapturedCall] = {}
         self._forwards: dict[tuple, _CapturedCall] = {}
+        self._forward_values: dict[tuple, int] = {}  # code values of each kept whole-sequence graph
         self._forward_sightings: dict[tuple, int] = {}
         self.enabled = os.environ.get("BEM_CONTROLLER_GRAPHS", "1") != "0"
 
@@ -109,10 +112,12 @@ class ControllerGraphs:
         return (codes.clone(), levels, *_clone(advanced))
 
     # ------------------------------------------------------------------ whole sequences
-    def forward_eligible(self, hidden: torch.Tensor) -> bool:
+    def _code_values(self, hidden: torch.Tensor) -> int:
         controller = self._controller_ref[0]
-        code_values = hidden.shape[0] * hidden.shape[1] * controller.num_modules * controller.rank
-        return code_values <= FORWARD_MAX_CODE_VALUES and self._usable(hidden)
+        return hidden.shape[0] * hidden.shape[1] * controller.num_modules * controller.rank
+
+    def forward_eligible(self, hidden: torch.Tensor) -> bool:
+        return self._code_values(hidden) <= FORWARD_MAX_CODE_VALUES and self._usable(hidden)
 
     def run_forward(self, hidden: torch.Tensor, mask: Optional[torch.Tensor], side_signals: Optional[torch.Tensor],
                     out_dtype: torch.dtype, return_state: bool) -> Optional[tuple]:
@@ -130,8 +135,12 @@ class ControllerGraphs:
                 self._forward_sightings[key] = sightings
                 return None
             self._forward_sightings.pop(key, None)
-            if len(self._forwards) >= MAX_FORWARD_GRAPHS:
-                self._forwards.pop(next(iter(self._forwards)))  # the oldest capture
+            values = self._code_values(hidden)
+            while self._forwards and (len(self._forwards) >= MAX_FORWARD_GRAPHS or
+                                      sum(self._forward_values.values()) + values > FORWARD_MAX_CODE_VALUES):
+                oldest = next(iter(self._forwards))
+                del self._forwards[oldest], self._forward_values[oldest]
+            self._forward_values[key] = values
             math = lambda h, m, s: controller.forward_math(h, m, s, out_dtype, return_state)  # noqa: E731
             captured = self._forwards[key] = _CapturedCall(math, inputs)
         codes, levels, state = captured.run(inputs)
