@@ -11,10 +11,10 @@ always hold the latest call's values.
 - the decode step is captured the first time a shape is seen (generation repeats it every token);
 - a whole-sequence call the second time (a prompt length seen once costs no capture). Each graph keeps
   its intermediates' memory, about 50 bytes per code value (tokens x modules x rank; measured on an
-  H200: 102 MiB for 2340 tokens of a 1B Llama with 112 modules at rank 8), so the graphs kept hold at
-  most `FORWARD_MAX_CODE_VALUES` code values together (about 200 MB; 4681 tokens of that model), the
-  oldest making room for a new one, and at most `MAX_FORWARD_GRAPHS` of them. A call above that
-  budget runs eagerly.
+  H200: 102 MiB for 2340 tokens of a 1B Llama with 112 modules at rank 8). So a call is captured only
+  up to `FORWARD_MAX_CODE_VALUES` (about 200 MB; 4681 tokens of that model), and the graphs kept hold
+  at most `FORWARD_KEPT_CODE_VALUES` together (about 400 MB) and number at most `MAX_FORWARD_GRAPHS`,
+  the oldest making room for a new one.
 
 Set `BEM_CONTROLLER_GRAPHS=0` to run every call eagerly.
 """
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from .controller import HierarchicalController
 
 FORWARD_MAX_CODE_VALUES = 2**22
+FORWARD_KEPT_CODE_VALUES = 2**23
 MAX_FORWARD_GRAPHS = 4
 MAX_STEP_GRAPHS = 8
 
@@ -137,7 +138,7 @@ class ControllerGraphs:
             self._forward_sightings.pop(key, None)
             values = self._code_values(hidden)
             while self._forwards and (len(self._forwards) >= MAX_FORWARD_GRAPHS or
-                                      sum(self._forward_values.values()) + values > FORWARD_MAX_CODE_VALUES):
+                                      sum(self._forward_values.values()) + values > FORWARD_KEPT_CODE_VALUES):
                 oldest = next(iter(self._forwards))
                 del self._forwards[oldest], self._forward_values[oldest]
             self._forward_values[key] = values

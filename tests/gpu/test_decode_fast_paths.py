@@ -105,14 +105,15 @@ def test_forward_graphs_only_for_repeated_small_calls():
         assert len(controller.graphs._forwards) == controller_graphs.MAX_FORWARD_GRAPHS
     # together the kept graphs hold at most the limit's code values: a new capture evicts the oldest
     per_token = controller.num_modules * controller.rank
-    controller_graphs.FORWARD_MAX_CODE_VALUES, saved = 30 * per_token, controller_graphs.FORWARD_MAX_CODE_VALUES
+    saved = controller_graphs.FORWARD_KEPT_CODE_VALUES
+    controller_graphs.FORWARD_KEPT_CODE_VALUES = 30 * per_token
     try:
         with torch.no_grad():
             for length in (20, 10, 9):
                 hidden = torch.randn(1, length, 48, device="cuda")
                 controller(hidden), controller(hidden)
     finally:
-        controller_graphs.FORWARD_MAX_CODE_VALUES = saved
+        controller_graphs.FORWARD_KEPT_CODE_VALUES = saved
     assert sorted(v // per_token for v in controller.graphs._forward_values.values()) == [9, 10]
     assert len(controller.graphs._forwards) == 2
     with torch.enable_grad():  # autograd: always eager
