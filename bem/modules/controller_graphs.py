@@ -10,11 +10,11 @@ always hold the latest call's values.
 
 - the decode step is captured the first time a shape is seen (generation repeats it every token);
 - a whole-sequence call the second time (a prompt length seen once costs no capture). Each graph keeps
-  its intermediates' memory, about 50 bytes per code value (tokens x modules x rank; measured on an
-  H200: 102 MiB for 2340 tokens of a 1B Llama with 112 modules at rank 8). So a call is captured only
-  up to `FORWARD_MAX_CODE_VALUES` (about 200 MB; 4681 tokens of that model), and the graphs kept hold
-  at most `FORWARD_KEPT_CODE_VALUES` together (about 400 MB) and number at most `MAX_FORWARD_GRAPHS`,
-  the oldest making room for a new one.
+  its intermediates' memory (measured on an H200 with a 1B Llama, 112 modules at rank 8: 102 MiB for
+  2340 tokens, 122 MiB for 4681 tokens, i.e. 30-50 bytes per code value, tokens x modules x rank). So a
+  call is captured only up to `FORWARD_MAX_CODE_VALUES` (4681 tokens of that model), and the graphs
+  kept hold at most `FORWARD_KEPT_CODE_VALUES` together and number at most `MAX_FORWARD_GRAPHS`, the
+  oldest making room for a new one.
 
 Set `BEM_CONTROLLER_GRAPHS=0` to run every call eagerly.
 """
