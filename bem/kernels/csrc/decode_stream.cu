@@ -67,7 +67,12 @@ constexpr int kEarlyChunks = 2;  // chunks of a warp's in-block X V whose operan
 // The projection launch's cluster: up to kProjectBlocks blocks split K, at least kProjectMinK columns each.
 constexpr int kProjectBlocks = 8;
 constexpr int kProjectMinK = 256;
-constexpr int kProjectBatch = 4;  // chunks whose loads a warp has in flight at once
+// Chunks whose loads a warp has in flight at once. At rank 64 each warp walks its block's whole slice
+// (one rank tile per warp), so the batch sets how many latencies the projection waits in series.
+// Measured on an H200 (x F.linear, M = 1, 4096²): 4 -> 8 took r = 64 from 1.52 to 1.36 (M = 16: 1.69
+// -> 1.62), other shapes within the spread; 16 (M <= 8) was slower on the same machine (r = 32 1.15
+// -> 1.20, r = 64 1.36 -> 1.41).
+constexpr int kProjectBatch = 8;
 
 __device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 // Returns once the launch this one depends on has finished and its writes are visible (at once when
