@@ -125,8 +125,8 @@ class BEMLinear(nn.Module):
 
     def _kept_v_t(self, x: torch.Tensor, V: torch.Tensor) -> Optional[torch.Tensor]:
         """V^T for an inference call at prefill sizes, copied once and kept until V changes (in place or
-        replaced); None otherwise. The prefill kernels read V^T: without it each call copies V, and at a
-        1024-token prompt that copy's launch costs as much host time as the update's own kernel."""
+        replaced); None otherwise. The prefill kernels read V^T: without it each call copies V, which at
+        a 1024-token prompt cost 8 of the extension call's 29 µs of host time (H200 machine)."""
         if x.numel() <= self._decode_max_numel or V is not self._parameters["bem_V"]:
             return None
         if not ops._inference_call(x, V):
