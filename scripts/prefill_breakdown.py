@@ -7,16 +7,10 @@ import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from bem import HierarchicalBEMConfig, create_hierarchical_bem
+from breakdown_model import llama_1b_with_bem
 
-torch.manual_seed(0)
-config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=64, pad_token_id=0)
-base = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
-base.config._attn_implementation = "eager"
-model = create_hierarchical_bem(base, HierarchicalBEMConfig(rank=8, attach_qkv=True))
+model = llama_1b_with_bem()
 controller = model.controller if hasattr(model, "controller") else None
 
 
