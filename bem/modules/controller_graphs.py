@@ -141,8 +141,8 @@ class ControllerGraphs:
                                       sum(self._forward_values.values()) + values > FORWARD_KEPT_CODE_VALUES):
                 oldest = next(iter(self._forwards))
                 del self._forwards[oldest], self._forward_values[oldest]
-            self._forward_values[key] = values
             math = lambda h, m, s: controller.forward_math(h, m, s, out_dtype, return_state)  # noqa: E731
             captured = self._forwards[key] = _CapturedCall(math, inputs)
+            self._forward_values[key] = values
         codes, levels, state = captured.run(inputs)
         return codes.clone(), levels, None if state is None else tuple(_clone(state))
