@@ -11,7 +11,7 @@ from torch.profiler import ProfilerActivity, profile
 from breakdown_model import llama_1b_with_bem
 
 model = llama_1b_with_bem()
-controller = model.controller if hasattr(model, "controller") else None
+controller = model.controller
 
 
 def prefill(ids, bem_on: bool):

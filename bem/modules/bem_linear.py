@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from transformers.pytorch_utils import Conv1D
 
-from ..kernels import custom_ops, ops
+from ..kernels import ops
 
 
 class RoutingContext:
@@ -75,10 +75,7 @@ class BEMLinear(nn.Module):
         self.bem_V = nn.Parameter(torch.empty(in_features, rank, **factory))
         self.bem_U = nn.Parameter(torch.zeros(out_features, rank, **factory))
         self.reset_bem_parameters()
-        # V^T as the prefill kernels read it, kept at inference until V changes (see _kept_v_t)
-        self._v_t: Optional[torch.Tensor] = None
-        self._v_t_key: Optional[tuple] = None
-        self._decode_max_numel = custom_ops.decode_auto_max_tokens() * in_features
+        self._v_t = ops.TransposeKeeper()  # V^T for the prefill kernels at inference
 
     def reset_bem_parameters(self) -> None:
         # V^T plays LoRA's A (r x K): Kaiming-uniform as LoRA initialises A; U = 0 keeps the base exact.
@@ -110,8 +107,9 @@ class BEMLinear(nn.Module):
 
     def _fused(self, x: torch.Tensor, V: torch.Tensor, codes: Optional[torch.Tensor], U: torch.Tensor) -> torch.Tensor:
         weight, bias = self._base_weight_and_bias()
+        keeper = self._v_t if V is self._parameters["bem_V"] else None  # not for a cast copy of V
         return ops.bem_linear(x, weight.t() if self.is_conv1d else weight, bias, V, codes, U, self.scaling,
-                              self.use_fused_kernels, V_t=self._kept_v_t(x, V))
+                              self.use_fused_kernels, v_t=keeper)
 
     def _base_weight_and_bias(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         base = self._modules["base_layer"]
@@ -122,23 +120,6 @@ class BEMLinear(nn.Module):
             weight = base.weight
         bias = found["bias"] if "bias" in found else getattr(base, "bias", None)
         return weight, bias
-
-    def _kept_v_t(self, x: torch.Tensor, V: torch.Tensor) -> Optional[torch.Tensor]:
-        """V^T for an inference call at prefill sizes, copied once and kept until V changes (in place or
-        replaced); None otherwise. The prefill kernels read V^T: without it each call copies V, which at
-        a 1024-token prompt cost 8 of the extension call's 29 µs of host time (H200 machine)."""
-        if x.numel() <= self._decode_max_numel or V is not self._parameters["bem_V"]:
-            return None
-        if not ops._inference_call(x, V):
-            return None
-        if V.is_inference():
-            return None  # made inside inference mode: no version counter to tell an in-place change by
-        key = (V._version, V.data_ptr(), V.dtype)
-        if self._v_t_key != key:
-            with torch.inference_mode(False):  # a normal tensor: usable outside inference mode too
-                self._v_t = V.detach().t().contiguous()
-            self._v_t_key = key
-        return self._v_t
 
     def _forward_autocast(self, x: torch.Tensor, codes: Optional[torch.Tensor]) -> torch.Tensor:
         """Under autocast the update runs in the autocast dtype, as `F.linear` does: only the small
