@@ -142,10 +142,11 @@ def _inference_call(x: torch.Tensor, V: torch.Tensor) -> bool:
 
 
 class TransposeKeeper:
-    """V^T, (r, K) and contiguous, as the prefill kernels read it: copied once and kept until V changes
-    (in place: its version counter; replaced: its address). Each wrapped layer owns one, for its own V.
-    Without it the extension copies V on every prefill-sized call, which at a 1024-token prompt cost 8
-    of the call's 29 µs of host time (H200 machine)."""
+    """V^T, (r, K) and contiguous, as the TMA update kernel and the GEMM with the update inside read it:
+    copied once and kept until V changes (in place: its version counter; replaced: its address). Each
+    wrapped layer owns one, for its own V. Without it the extension copies V on every call that takes
+    those kernels (one more launch; at a 1024-token prompt, when the update kernel there still read V^T,
+    8 of the call's 29 µs of host time on an H200 machine)."""
 
     def __init__(self) -> None:
         self._kept: Optional[torch.Tensor] = None
@@ -175,8 +176,8 @@ def bem_linear(
 ) -> torch.Tensor:
     """`x W^T + b + s * ((x V) ⊙ codes) U^T`, W: (N, K) (a transposed view of a (K, N) tensor is fine).
 
-    v_t: the caller's keeper of this V's transpose; the direct inference call hands V^T to the prefill
-    kernels (above the decode kernels' rows, which read V itself)."""
+    v_t: the caller's keeper of this V's transpose; the direct inference call hands V^T to the kernels
+    that read it (above the decode kernels' rows, which read V itself)."""
     if use_fused and _inference_call(x, V):
         prefill_sized = x.numel() > custom_ops.decode_auto_max_tokens() * x.shape[-1]
         V_t = v_t.get(V) if v_t is not None and prefill_sized else None

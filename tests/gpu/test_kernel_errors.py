@@ -93,6 +93,11 @@ def test_kernel_choice_arguments_are_checked():
     wide = torch.randn(x.shape[1], 40, device="cuda", dtype=x.dtype)
     with pytest.raises(ValueError, match="stream_tokens = 64 takes ranks up to 32, got rank 40"):
         custom_ops._C.update_forward(x, wide, None, torch.randn(16, 40, device="cuda", dtype=x.dtype), 1.0, 1, 64)
+    with pytest.raises(ValueError, match="stream_cluster must be 0 .chosen by shape., 1, 2, 4 or 8, got 3"):
+        custom_ops._C.update_forward(x, V, None, U, 1.0, 1, 0, 3)
+    if torch.cuda.get_device_capability()[0] < 9:
+        with pytest.raises(ValueError, match="stream_cluster above 1 needs thread-block clusters"):
+            custom_ops._C.update_forward(x, V, None, U, 1.0, 1, 0, 2)
     W = torch.randn(16, 32, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="unknown linear mode 9"):
         custom_ops._C.linear_forward(x, W, None, V, None, U, 1.0, 9)

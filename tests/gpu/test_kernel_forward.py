@@ -13,6 +13,9 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not ops.KERNELS_AVAILABLE, reason="BEM CUDA extension not loaded"),
 ]
+needs_clusters = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+    reason="thread-block clusters need a compute capability 9.0 GPU")
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # (M, K, N): odd sizes, unaligned rows, one-row inputs, a tile boundary plus one
 SHAPES = [(1, 7, 5), (3, 64, 130), (37, 129, 77), (33, 256, 129), (65, 520, 264), (300, 1000, 515)]
@@ -203,8 +206,31 @@ def test_streaming_update_every_block_height(tokens, M, K, N, r):
     assert torch.equal(y, y2) and torch.equal(P, P2)
 
 
+CLUSTER_SHAPES = [(17, 4096, 4096, 8), (75, 1000, 77, 16), (333, 1032, 1000, 32), (130, 512, 96, 64),
+                  (517, 2056, 4104, 40), (1000, 264, 300, 24)]  # K slices and column tiles left empty too
+
+
+@needs_clusters
+@pytest.mark.parametrize("cluster", [1, 2, 4, 8])
+@pytest.mark.parametrize("tokens", [16, 32])
+@pytest.mark.parametrize("M,K,N,r", CLUSTER_SHAPES)
+def test_streaming_update_on_a_cluster(cluster, tokens, M, K, N, r):
+    """The streaming kernel with each group of tokens shared by a thread-block cluster (K split for x V,
+    summed through distributed shared memory; N split for the expansion): every cluster size, uneven
+    and empty slices, and repeated calls bit-identical (the cluster's sum has a fixed order)."""
+    x, _, _, V, c, U = operands(M, K, N, r, torch.bfloat16, codes=True, seed=stable_seed(M, K, N, r, cluster))
+    ref = update_ref64(x, V, c, U, 0.8)
+    torch_err = rel_err(reference.generated_update(x, V, c, U, 0.8), ref)
+    poison_allocator(x.device, M * N)
+    y, P = custom_ops._C.update_forward(x, V, c, U, 0.8, 1, tokens, cluster)
+    assert rel_err(y, ref) <= bound(torch_err, torch.bfloat16)
+    assert rel_err(P, x.double() @ V.double()) < 1e-2
+    y2, P2 = custom_ops._C.update_forward(x, V, c, U, 0.8, 1, tokens, cluster)
+    assert torch.equal(y, y2) and torch.equal(P, P2)
+
+
 @pytest.mark.parametrize("mode", [2, 3])
-@pytest.mark.parametrize("M,N,r", [(1100, 1000, 16), (2048, 517, 24)])
+@pytest.mark.parametrize("M,N,r", [(1100, 1000, 16), (2048, 517, 24), (200, 1000, 16), (45, 520, 64)])
 def test_streaming_update_inside_the_linear(mode, M, N, r):
     """Prefill compositions where the streaming kernel runs by default (ranks 16-32, N >= K): bias in
     the update (mode 3) and accumulation into the GEMM output (mode 2), N not a multiple of 8 too."""

@@ -122,9 +122,10 @@ bool small_m(const Tensor& A) {
 // the call (lowrank_stream_fits: the shapes and alignment its 16-byte loads need).
 bool stream_takes(const LowRankArgs& args, bool tensor_core, int64_t kernel) {
   if (kernel == kUpdateTiles || !tensor_core || args.M == 0 || !lowrank_stream_fits(args)) return false;
-  return kernel == kUpdateStream ||
-         (args.M >= kStreamMinRows && args.expand &&
-          (args.r <= kStreamSmallBlockMaxRank || lowrank_stream_tokens(args) >= 32));
+  if (kernel == kUpdateStream) return true;
+  if (!args.expand) return false;
+  if (args.M < kStreamMinRows) return lowrank_stream_cluster(args) > 1;
+  return args.r <= kStreamSmallBlockMaxRank || lowrank_stream_tokens(args) >= 32;
 }
 
 // Whether the update runs as two cuBLAS GEMMs: asked for, or by shape (fp16/bf16 only).
@@ -161,7 +162,7 @@ Tensor run_update_gemms(const Tensor& A, const Tensor& B, const OptTensor& codes
 // Bt_given: B^T (r x L, contiguous) when the caller keeps one, so that no copy is made here.
 Tensor run_update(const Tensor& A, const Tensor& B, const OptTensor& codes, const Tensor* U, const Tensor* bias,
                   Tensor* Y, double scale, bool accumulate, int64_t kernel = kUpdateAuto, int64_t stream_tokens = 0,
-                  const Tensor* Bt_given = nullptr) {
+                  const Tensor* Bt_given = nullptr, int64_t stream_cluster = 0) {
   // The projection alone (the backward's dY U): on an H200 cuBLAS read A at 85-100% of the read rate at
   // M = 16384, where the tiles kernel reached 20-51%, and was 1.2-3.6x faster at M = 4096 and K = 768.
   if (Y == nullptr && tensor_core_dtype(A)) return project_gemm(A, B);
@@ -179,6 +180,8 @@ Tensor run_update(const Tensor& A, const Tensor& B, const OptTensor& codes, cons
   args.r = (int)r;
   args.num_sms = num_sms(A.get_device());
   args.stream_tokens = (int)stream_tokens;
+  args.stream_cluster = (int)stream_cluster;
+  args.cc_major = cc_major(A.get_device());
   args.scale = scale;
   args.expand = Y != nullptr;
   args.accumulate = accumulate;
@@ -197,9 +200,6 @@ Tensor run_update(const Tensor& A, const Tensor& B, const OptTensor& codes, cons
   const bool given = !stream && (small_m(A) || A.scalar_type() == at::kFloat);
   Tensor P = given ? project_gemm(A, B) : at::empty({M, r}, A.options().dtype(p_dtype(A)));
   if (M == 0 || (given && Y == nullptr)) return P;
-  // r x L: rows of B^T are contiguous (a small copy unless the caller gave it)
-  const Tensor Bt = !stream ? Tensor() : Bt_given ? *Bt_given : B.t().contiguous();
-  args.Bt = stream ? Bt.data_ptr() : nullptr;
   args.P = given ? nullptr : P.data_ptr();
   args.P_in = given ? P.data_ptr() : nullptr;
   if (stream) {
@@ -211,16 +211,23 @@ Tensor run_update(const Tensor& A, const Tensor& B, const OptTensor& codes, cons
 }
 
 std::tuple<Tensor, Tensor> update_forward(const Tensor& x, const Tensor& V, const OptTensor& codes, const Tensor& U,
-                                          double scale, int64_t kernel, int64_t stream_tokens) {
+                                          double scale, int64_t kernel, int64_t stream_tokens,
+                                          int64_t stream_cluster) {
   BEM_CHECK(kernel >= kUpdateAuto && kernel <= kUpdateTma, "unknown update kernel ", kernel);
   check_update_operands(x, V, codes, U);
   BEM_CHECK(stream_tokens == 0 || stream_tokens == 16 || stream_tokens == 32 || stream_tokens == 64,
             "stream_tokens must be 0 (chosen by shape), 16, 32 or 64, got ", stream_tokens);
   BEM_CHECK(stream_tokens != 64 || V.size(1) <= kStreamTallBlockMaxRank, "stream_tokens = 64 takes ranks up to ",
             kStreamTallBlockMaxRank, ", got rank ", V.size(1));
+  BEM_CHECK(stream_cluster == 0 || stream_cluster == 1 || stream_cluster == 2 || stream_cluster == 4 ||
+                stream_cluster == kStreamMaxCluster,
+            "stream_cluster must be 0 (chosen by shape), 1, 2, 4 or 8, got ", stream_cluster);
   const c10::cuda::CUDAGuard guard(x.device());
+  BEM_CHECK(stream_cluster <= 1 || cc_major(x.get_device()) >= 9,
+            "stream_cluster above 1 needs thread-block clusters (a compute capability 9.0 GPU)");
   Tensor Y = at::empty({x.size(0), U.size(0)}, x.options());
-  Tensor P = run_update(x, V, codes, &U, nullptr, &Y, scale, /*accumulate=*/false, kernel, stream_tokens);
+  Tensor P = run_update(x, V, codes, &U, nullptr, &Y, scale, /*accumulate=*/false, kernel, stream_tokens, nullptr,
+                        stream_cluster);
   return {Y, P};
 }
 
@@ -306,8 +313,8 @@ GemmUpdateArgs gemm_update_args(const Tensor& x, const Tensor& weight, const Ten
   return args;
 }
 
-// V_t: V^T (r x K, contiguous) when the caller keeps one (a module at inference): the prefill paths
-// read V^T, and without it each call makes a copy, one more launch.
+// V_t: V^T (r x K, contiguous) when the caller keeps one (a module at inference): the TMA update kernel
+// and the GEMM with the update inside read V^T, and without it each call makes a copy, one more launch.
 std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& V,
                                        const OptTensor& codes, const Tensor& U, double scale, int64_t mode,
                                        int64_t split_k, bool need_p, const OptTensor& V_t) {
@@ -448,7 +455,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "BEM fused generated-update kernels";
   m.def("update_forward", &bem::update_forward, "(Y, P) = (s ((x V) ⊙ codes) U^T, x V)", py::arg("x"),
         py::arg("V"), py::arg("codes"), py::arg("U"), py::arg("scaling"), py::arg("kernel") = 0,
-        py::arg("stream_tokens") = 0);
+        py::arg("stream_tokens") = 0, py::arg("stream_cluster") = 0);
   m.def("project", &bem::project, "A B in float32 (float64 for double inputs)", py::arg("A"), py::arg("B"));
   m.def("linear_forward", &bem::linear_forward, "(Y, P) = (x W^T + b + s ((x V) ⊙ codes) U^T, x V)",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("V"), py::arg("codes"), py::arg("U"),

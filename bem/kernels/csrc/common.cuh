@@ -159,6 +159,22 @@ template <typename T> __device__ __forceinline__ uint32_t pack2(T lo, T hi) {
   return (uint32_t)l | ((uint32_t)h << 16);
 }
 
+// The fixed-order sum over a thread-block cluster's first cs (<= MaxBlocks) blocks of buf[i] in each
+// block's shared memory; every remote read is issued before the first add, so their latencies overlap.
+// (A template: cluster groups exist only in the sm_90 pass of the compiler, and an sm_80 build must still
+// compile this file.)
+template <int MaxBlocks, typename Cluster>
+__device__ __forceinline__ float cluster_sum(Cluster& cluster, float* buf, int i, int cs) {
+  float part[MaxBlocks];
+#pragma unroll
+  for (int s = 0; s < MaxBlocks; ++s) part[s] = s < cs ? cluster.map_shared_rank(buf, s)[i] : 0.f;
+  float sum = part[0];
+#pragma unroll
+  for (int s = 1; s < MaxBlocks; ++s)
+    if (s < cs) sum += part[s];
+  return sum;
+}
+
 // ---- host side ----
 
 template <typename T> struct TypeTag { using type = T; };

@@ -1,7 +1,7 @@
 // The X V half of the streaming decode kernel (decode_stream.cu): the geometry both launches share,
-// the fixed-order cluster sum, one warp's X V over a slice of K (SliceProjection, which the stream's
-// in-block form uses too) and the projection launch (decode_project_kernel) that computes
-// Pc = s (X V) ⊙ c once for the stream launched after it. Included by decode_stream.cu only.
+// one warp's X V over a slice of K (SliceProjection, which the stream's in-block form uses too) and the
+// projection launch (decode_project_kernel) that computes Pc = s (X V) ⊙ c once for the stream launched
+// after it. Included by decode_stream.cu only.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -34,21 +34,6 @@ __device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontr
 // Returns once the launch this one depends on has finished and its writes are visible (at once when
 // this grid was launched without a programmatic dependency: the stream's order already holds).
 __device__ __forceinline__ void wait_for_prerequisite() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-
-// The fixed-order sum over the cluster's CS blocks of buf[i] in each block's shared memory; every remote
-// read is issued before the first add, so their latencies overlap. (A template: cluster groups exist only
-// in the sm_90 pass of the compiler, and an sm_80 build must still compile this file.)
-template <typename Cluster>
-__device__ __forceinline__ float cluster_sum(Cluster& cluster, float* buf, int i, int cs) {
-  float part[kDecodeStreamMaxCluster];
-#pragma unroll
-  for (int s = 0; s < kDecodeStreamMaxCluster; ++s) part[s] = s < cs ? cluster.map_shared_rank(buf, s)[i] : 0.f;
-  float sum = part[0];
-#pragma unroll
-  for (int s = 1; s < kDecodeStreamMaxCluster; ++s)
-    if (s < cs) sum += part[s];
-  return sum;
-}
 
 // One warp's share of X V over a block's slice [k_begin, k_end) of K: tokens as the m16 rows of
 // mma.sync, 8 ranks per n8 tile; warp w takes rank tile w / kparts over every kparts-th chunk.
@@ -189,7 +174,7 @@ __global__ void __launch_bounds__(kThreads) decode_project_kernel(DecodeArgs p) 
     const int m = i / rp, jj = i % rp;
     float pc = 0.f;
     if (jj < r) {
-      const float sum = cluster_sum(cluster, zb, m * kDecodeStreamMaxRank + jj, cs);
+      const float sum = cluster_sum<kDecodeStreamMaxCluster>(cluster, zb, m * kDecodeStreamMaxRank + jj, cs);
       if (p.P) p.P[m * r + jj] = sum;
       pc = sum * p.scale * (codes ? to_acc(codes[m * r + jj]) : 1.f);
     }

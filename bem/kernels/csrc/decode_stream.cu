@@ -254,14 +254,15 @@ __global__ void __launch_bounds__(kThreads, 3) decode_stream_kernel(DecodeArgs p
   for (int i = tid; i < rows * M; i += kThreads) {
     const int nl = row_begin + i % rows, m = i / rows, n = n0 + nl;
     if (n >= N) continue;
-    float y = cluster_sum(cluster, ys, m * kYLd + nl, cs);
+    float y = cluster_sum<kDecodeStreamMaxCluster>(cluster, ys, m * kYLd + nl, cs);
     if (bias) y += to_acc(bias[n]);
     Y[(size_t)m * N + n] = from_acc<T>(y);
   }
   if constexpr (OWN) {
     if (p.P && blockIdx.x == 0 && rank == 0) {  // X V for the backward (skipped at inference)
       float* zb = reinterpret_cast<float*>(smem + kZbOffset);
-      for (int i = tid; i < M * r; i += kThreads) p.P[i] = cluster_sum(cluster, zb, (i / r) * kOwnMaxRank + i % r, cs);
+      for (int i = tid; i < M * r; i += kThreads)
+        p.P[i] = cluster_sum<kDecodeStreamMaxCluster>(cluster, zb, (i / r) * kOwnMaxRank + i % r, cs);
     }
   }
   cluster.sync();  // no block leaves while another still reads its shared memory

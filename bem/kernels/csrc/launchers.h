@@ -31,10 +31,12 @@ struct LowRankArgs {
   void* Y;
   void* P;
   const void* P_in;  // fp32 A B computed elsewhere (skips the projection), or null
-  const void* Bt;    // B^T (r x L, row-major) for the streaming kernel, or null
+  const void* Bt;    // B^T (r x L, row-major) for the TMA kernel, or null
   int M, L, N, r;
   int num_sms;
-  int stream_tokens;  // the streaming kernel's tokens per block (16, 32 or 64), 0: chosen by shape
+  int stream_tokens;   // the streaming kernel's tokens per block (16, 32 or 64), 0: chosen by shape
+  int stream_cluster;  // the streaming kernel's blocks per token group (1, 2, 4 or 8; sm_90), 0: by shape
+  int cc_major;        // the device's compute capability (major)
   double scale;
   bool expand;
   bool accumulate;
@@ -51,14 +53,21 @@ cudaError_t launch_scale_codes(DType dtype, const float* P, const void* codes, v
 cudaError_t launch_backward_coefficients(DType dtype, const float* G, const float* P, const void* codes, void* g_c,
                                          void* p_c, void* g_p, int64_t count, float scale, cudaStream_t stream);
 
-// The streaming update kernel (fp16/bf16, prefill sizes): takes B^T in args.Bt (16-byte aligned), and
-// lowrank_stream_fits says whether the rest of the call suits it (L and r multiples of 8, r <=
-// kStreamMaxRank, A and U 16-byte aligned, no P_in, stream_tokens 0, 16, 32 or 64 (64 up to rank 32)).
-// Same outputs as launch_lowrank_update. lowrank_stream_tokens: the tokens per block it will use.
+// The streaming update kernel (fp16/bf16, prefill sizes): lowrank_stream_fits says whether the call
+// suits it (L and r multiples of 8, r <= kStreamMaxRank, A, B and U 16-byte aligned, no P_in, stream_tokens 0, 16, 32 or 64 (64 up to rank 32),
+// stream_cluster 0, 1, or 2, 4, 8 where cc_major >= 9). Same outputs as launch_lowrank_update.
+// lowrank_stream_tokens: the tokens per block it will use; lowrank_stream_cluster: the blocks that share
+// each group of tokens (a thread-block cluster splitting K and N; 1: none).
 constexpr int kStreamMaxRank = 64;
 constexpr int kStreamTallBlockMaxRank = 32;  // 64-token blocks: their partial products fill the registers above
+constexpr int kStreamMaxCluster = 8;
+constexpr int kStreamClusterMinK = 256;  // columns of K each block of a cluster keeps at least
+// Clusters by shape up to this rank: at r = 16 to 64 they measured no faster than the other kernels below
+// 1024 rows (H200, 4096², M = 32-512: r = 32 12-17 us against 12-16 us, r = 64 18-30 us against 14-18 us).
+constexpr int kStreamClusterMaxRank = 8;
 bool lowrank_stream_fits(const LowRankArgs& args);
 int lowrank_stream_tokens(const LowRankArgs& args);
+int lowrank_stream_cluster(const LowRankArgs& args);
 cudaError_t launch_lowrank_stream(DType dtype, const LowRankArgs& args, cudaStream_t stream);
 
 // The TMA update kernel (sm_90a, fp16/bf16, prefill sizes; runs where gemm_update_supported says the
