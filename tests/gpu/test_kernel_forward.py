@@ -356,11 +356,11 @@ def _tma_case(M, K, N, r):
 @fused_gemm
 def test_tma_update_is_the_default_where_it_measured_faster():
     """The default update takes the TMA kernel up to rank 16 once its 64-row tiles fill the GPU, and at rank
-    8 from 1024 rows where N >= 2 K; not above rank 16, nor for a narrower or shorter call. The kernels can
+    8 from 2048 rows where N >= 2 K; not above rank 16, nor for a narrower or shorter call. The kernels can
     agree bit for bit (short sums of the same rounded s P ⊙ c), so the profile names the one that ran."""
     full = 64 * torch.cuda.get_device_properties(0).multi_processor_count + 5
-    cases = ((full, 512, 264, 16, True), (1100, 256, 1000, 8, True), (full, 512, 264, 24, False),
-             (1100, 512, 1000, 8, False), (1000, 256, 1000, 8, False), (1100, 256, 1000, 16, False))
+    cases = ((full, 512, 264, 16, True), (2100, 256, 1000, 8, True), (full, 512, 264, 24, False),
+             (2100, 512, 1000, 8, False), (2000, 256, 1000, 8, False), (2100, 256, 1000, 16, False))
     for M, K, N, r, expected in cases:
         ran, auto, (x, W, b, V, c, U) = _tma_case(M, K, N, r)
         assert ran == expected, f"M = {M}, K = {K}, N = {N}, r = {r}"
@@ -373,7 +373,7 @@ def test_tma_update_is_the_default_where_it_measured_faster():
 def test_tma_update_inside_the_linear_adds_the_bias():
     """Linear mode 3 (the update writes update + bias, cuBLAS adds x W^T) where the TMA kernel is the
     default, against float64; P comes out in float32."""
-    M, K, N, r = 1100, 256, 1000, 8
+    M, K, N, r = 2100, 256, 1000, 8
     ran, _, (x, W, b, V, c, U) = _tma_case(M, K, N, r)
     assert ran
     ref = linear_ref64(x, W, b, V, c, U, 1.5)

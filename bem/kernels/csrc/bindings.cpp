@@ -74,14 +74,15 @@ constexpr int64_t kGemmsMinRank = 17;
 // Where the TMA update kernel is the default (sm_90a builds on Hopper), measured on an H200 against the
 // other three (docs/kernels.md): up to rank 16 once its 64-row tiles are at least as many as the
 // multiprocessors (M = 16384: 4096² r = 8 78% of copy against 73% for the streaming kernel, r = 16 75%
-// against 71%; 4096 x 14336 r = 8 84% against 79%; 768² r = 8 65% against 56%), and at rank 8 from 1024
-// rows where N >= 2 K, where writing Y dominates (4096 x 14336, M = 2048: 33 us against 41 us for the
-// next best). Above rank 16 the two cuBLAS GEMMs stayed ahead (r = 32: 69% of copy against 63%); with
+// against 71%; 4096 x 14336 r = 8 84% against 79%; 768² r = 8 65% against 56%), and at rank 8 from 2048
+// rows where N >= 2 K, where writing Y dominates (4096 x 14336, M = 2048: 49% of copy against 36% for the
+// streaming kernel). At 1024 rows the streaming kernel on clusters of 2 is ahead there (4096 x 14336: 36%
+// against 35%; 2048 x 8192: 34% against 31%). Above rank 16 the two cuBLAS GEMMs stayed ahead (r = 32: 69% of copy against 63%); with
 // few tiles and a long K each tile's single reading warpgroup is the bound (14336 x 4096, M = 2048:
 // 47 us against 31 us).
 constexpr int64_t kTmaMaxRank = 16;
 constexpr int64_t kTmaWideMaxRank = 8;
-constexpr int64_t kTmaWideMinRows = 1024;
+constexpr int64_t kTmaWideMinRows = 2048;
 
 bool tma_suits(const LowRankArgs& args) {
   const bool fills_gpu = args.M >= (int64_t)kLowRankTmaTileRows * args.num_sms;
