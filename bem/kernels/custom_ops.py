@@ -35,7 +35,7 @@ def decode_max_tokens() -> int:
 
 def decode_auto_max_tokens() -> int:
     """Most tokens for which the fused linear picks the one-launch decode kernel by itself; above that it
-    runs the prefill compositions, which read V^T."""
+    runs the prefill compositions (some of whose kernels read V^T)."""
     return int(getattr(_C, "DECODE_AUTO_MAX_TOKENS", 16))
 
 

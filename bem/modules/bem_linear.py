@@ -75,7 +75,7 @@ class BEMLinear(nn.Module):
         self.bem_V = nn.Parameter(torch.empty(in_features, rank, **factory))
         self.bem_U = nn.Parameter(torch.zeros(out_features, rank, **factory))
         self.reset_bem_parameters()
-        self._v_t = ops.TransposeKeeper()  # V^T for the prefill kernels at inference
+        self._v_t = ops.TransposeKeeper()  # V^T for the prefill kernels that read it, at inference
 
     def reset_bem_parameters(self) -> None:
         # V^T plays LoRA's A (r x K): Kaiming-uniform as LoRA initialises A; U = 0 keeps the base exact.

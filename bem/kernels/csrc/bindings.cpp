@@ -54,14 +54,14 @@ int cc_major(int device) { return device_attribute(cudaDevAttrComputeCapabilityM
 // Which kernel computes the generated update (update_forward's `kernel` argument; 0 picks by shape).
 enum UpdateKernel : int64_t {
   kUpdateAuto = 0,
-  kUpdateStream = 1,  // lowrank_stream.cu: 16-64 rows per block, A and B^T straight into registers
+  kUpdateStream = 1,  // lowrank_stream.cu: 16-64 rows per block (clusters of blocks at few rows)
   kUpdateTiles = 2,   // lowrank_update.cu: 32 rows per block through shared memory (any K, any rank)
   kUpdateGemms = 3,   // fp16/bf16: cuBLAS P = A B (fp32 out), scale_codes.cu, cuBLAS Y = (s P ⊙ codes) U^T
   kUpdateTma = 4,     // lowrank_tma.cu (sm_90a): TMA in and out, reading and writing at once
 };
 // Where the streaming kernel is the default: measured on an H200 (docs/kernels.md) it beat the tiles
 // kernel at ranks 8 to 32 once M >= 1024 (M = 16384, 4096 x 4096: 49-66% of copy against 39-47%). Above
-// rank 32 it needs blocks of 32 tokens or more to share its B^T and U loads: at M = 16384 (32 tokens)
+// rank 32 it needs blocks of 32 tokens or more to share its B and U loads: at M = 16384 (32 tokens)
 // it was faster (fused linear 1.27x against 1.39x F.linear), at M = 4096 (16 tokens) slower (1.36x
 // against 1.24x).
 constexpr int64_t kStreamMinRows = 1024;

@@ -409,7 +409,7 @@ int lowrank_stream_cluster(const LowRankArgs& a) {
 
 int lowrank_stream_tokens(const LowRankArgs& a) {
   if (a.stream_tokens != 0) return a.stream_tokens;
-  // The most tokens per block (each B^T and U load serves them all) that still gives every
+  // The most tokens per block (each B and U load serves them all) that still gives every
   // multiprocessor two blocks; 64 only up to rank 32 (registers).
   const int wanted_blocks = 2 * (a.num_sms > 0 ? a.num_sms : 1);
   for (int tokens : {64, 32}) {
