@@ -189,6 +189,24 @@ cudaError_t dispatch_half(DType dtype, Launch&& launch) {
   }
 }
 
+// A launch of `grid` in thread-block clusters of `cluster_x` blocks along x (sm_90); `attribute` holds the
+// cluster's size and must outlive the cudaLaunchKernelEx call.
+inline cudaLaunchConfig_t cluster_launch_config(dim3 grid, int threads, size_t smem_bytes, cudaStream_t stream,
+                                                int cluster_x, cudaLaunchAttribute& attribute) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(threads, 1, 1);
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = cluster_x;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  return config;
+}
+
 // Raises Kernel's dynamic shared-memory limit to `bytes`, once per device: a driver call per launch
 // costs at decode sizes. Each kernel (the template argument) keeps its own flags.
 template <auto Kernel>

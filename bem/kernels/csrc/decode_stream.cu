@@ -300,17 +300,9 @@ cudaError_t launch_stream(const DecodeArgs& a, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   if (!OWN) {
     const int blocks = project_blocks(a.K);
-    cudaLaunchConfig_t project = {};
-    project.gridDim = dim3(blocks, 1, 1);
-    project.blockDim = dim3(kThreads, 1, 1);
-    project.stream = stream;
-    cudaLaunchAttribute project_cluster[1];
-    project_cluster[0].id = cudaLaunchAttributeClusterDimension;
-    project_cluster[0].val.clusterDim.x = blocks;
-    project_cluster[0].val.clusterDim.y = 1;
-    project_cluster[0].val.clusterDim.z = 1;
-    project.attrs = project_cluster;
-    project.numAttrs = 1;
+    cudaLaunchAttribute project_cluster;
+    const cudaLaunchConfig_t project =
+        cluster_launch_config(dim3(blocks, 1, 1), kThreads, 0, stream, blocks, project_cluster);
     err = cudaLaunchKernelEx(&project, decode_project_kernel<T, NT>, a);
     if (err != cudaSuccess) return err;
   }

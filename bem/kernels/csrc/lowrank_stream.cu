@@ -347,18 +347,9 @@ cudaError_t launch_typed(const LowRankArgs& a, cudaStream_t stream) {
   }
   const cudaError_t err = raise_smem_limit<lowrank_stream_kernel<T, MT, NT, true>>((int)S::smem_bytes(true));
   if (err != cudaSuccess) return err;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(cs, groups, 1);
-  config.blockDim = dim3(kThreads, 1, 1);
-  config.dynamicSmemBytes = S::smem_bytes(true);
-  config.stream = stream;
-  cudaLaunchAttribute cluster[1];
-  cluster[0].id = cudaLaunchAttributeClusterDimension;
-  cluster[0].val.clusterDim.x = cs;
-  cluster[0].val.clusterDim.y = 1;
-  cluster[0].val.clusterDim.z = 1;
-  config.attrs = cluster;
-  config.numAttrs = 1;
+  cudaLaunchAttribute cluster;
+  const cudaLaunchConfig_t config =
+      cluster_launch_config(dim3(cs, groups, 1), kThreads, S::smem_bytes(true), stream, cs, cluster);
   return cudaLaunchKernelEx(&config, lowrank_stream_kernel<T, MT, NT, true>, a, f);
 }
 
