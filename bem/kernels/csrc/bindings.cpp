@@ -75,11 +75,11 @@ constexpr int64_t kGemmsMinRank = 17;
 // other three (docs/kernels.md): up to rank 16 once its 64-row tiles are at least as many as the
 // multiprocessors (M = 16384: 4096² r = 8 78% of copy against 73% for the streaming kernel, r = 16 75%
 // against 71%; 4096 x 14336 r = 8 84% against 79%; 768² r = 8 65% against 56%), and at rank 8 from 2048
-// rows where N >= 2 K, where writing Y dominates (4096 x 14336, M = 2048: 49% of copy against 36% for the
-// streaming kernel). At 1024 rows the streaming kernel on clusters of 2 is ahead there (4096 x 14336: 36%
-// against 35%; 2048 x 8192: 34% against 31%). Above rank 16 the two cuBLAS GEMMs stayed ahead (r = 32: 69% of copy against 63%); with
-// few tiles and a long K each tile's single reading warpgroup is the bound (14336 x 4096, M = 2048:
-// 47 us against 31 us).
+// rows where N >= 2 K, where writing Y dominates (4096 x 14336, M = 2048: 49% of copy against 36% for
+// the streaming kernel). At 1024 rows the streaming kernel on clusters of 2 is ahead there (4096 x
+// 14336: 36% against 35%; 2048 x 8192: 34% against 31%). Above rank 16 the two cuBLAS GEMMs stayed
+// ahead (r = 32: 69% of copy against 63%); with few tiles and a long K each tile's single reading
+// warpgroup is the bound (14336 x 4096, M = 2048: 47 us against 31 us).
 constexpr int64_t kTmaMaxRank = 16;
 constexpr int64_t kTmaWideMaxRank = 8;
 constexpr int64_t kTmaWideMinRows = 2048;
@@ -119,8 +119,9 @@ bool small_m(const Tensor& A) {
   return tensor_core_dtype(A) && (A.size(0) + 31) / 32 < num_sms(A.get_device());
 }
 
-// Whether the streaming kernel runs: asked for, or the shape is where it measured faster; and it takes
-// the call (lowrank_stream_fits: the shapes and alignment its 16-byte loads need).
+// Whether the streaming kernel runs: asked for, or the shape is where it measured faster (below
+// kStreamMinRows only where it runs on clusters: sm_90, r <= kStreamClusterMaxRank, docs/kernels.md);
+// and it takes the call (lowrank_stream_fits: the shapes and alignment its 16-byte loads need).
 bool stream_takes(const LowRankArgs& args, bool tensor_core, int64_t kernel) {
   if (kernel == kUpdateTiles || !tensor_core || args.M == 0 || !lowrank_stream_fits(args)) return false;
   if (kernel == kUpdateStream) return true;

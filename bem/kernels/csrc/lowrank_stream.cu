@@ -40,10 +40,12 @@ template <int MT, int NT> struct StreamShape {
   static constexpr int y_floats = kWarps * 16 * y_ld;     // per warp: 16 tokens x 32 columns
   static constexpr int pc_ld = ranks + 2;                  // s P ⊙ c in A's dtype, one row per token
   static constexpr size_t pc_offset = (size_t)cmax(z_floats, y_floats) * 4;
-  // the block's partial P (summed over its warps), read by the cluster's other blocks
-  static constexpr size_t stage_offset = (pc_offset + (size_t)tokens * pc_ld * 2 + 15) / 16 * 16;
+  static constexpr size_t stage_offset = (pc_offset + (size_t)tokens * pc_ld * 2 + 15) / 16 * 16;  // B's
+  // the block's partial P (summed over its warps), read by the cluster's other blocks (clusters only)
   static constexpr size_t zsum_offset = stage_offset + (size_t)kWarps * kStageBytes;
-  static constexpr size_t smem_bytes(bool cluster) { return cluster ? zsum_offset + (size_t)tokens * ranks * 4 : zsum_offset; }
+  static constexpr size_t smem_bytes(bool cluster) {
+    return cluster ? zsum_offset + (size_t)tokens * ranks * 4 : zsum_offset;
+  }
 };
 
 // Cluster barrier halves (sm_90). Publishing the partial P needs release and acquire; the later arrival
@@ -389,8 +391,8 @@ int lowrank_stream_cluster(const LowRankArgs& a) {
   if (a.cc_major < 9 || a.r > kStreamClusterMaxRank) return 1;
   // The smallest cluster that gives 7/8 of the multiprocessors a block, each block keeping at least
   // kStreamClusterMinK columns of K. Measured on an H200 (update alone, 4096², r = 8, blocks of 16
-  // tokens): M = 1024 13.9 us with 2 blocks a group (128 blocks) against 17.4 us with 1 or 4; M = 512
-  // 12.1 us with 4 against 14.4 us with 8; M = 2048 17.9-19.0 us with 1 or 2.
+  // tokens, docs/kernels.md): M = 1024 10.4 us with 2 blocks a group (128 blocks) against 14.8 with 1
+  // and 14.0 with 4; M = 512 9.5 us with 4 against 11.7 with 8; M = 32 6.0 us with 8.
   const long long groups = (a.M + lowrank_stream_tokens(a) - 1) / lowrank_stream_tokens(a);
   const long long wanted = a.num_sms - a.num_sms / 8;
   int cs = 1;
