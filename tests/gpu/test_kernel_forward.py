@@ -229,6 +229,27 @@ def test_streaming_update_on_a_cluster(cluster, tokens, M, K, N, r):
     assert torch.equal(y, y2) and torch.equal(P, P2)
 
 
+@needs_clusters
+@pytest.mark.parametrize("M,K,N,r,clustered", [(200, 2048, 1000, 8, True), (200, 2048, 1000, 16, True),
+                                               (1000, 1024, 520, 16, True), (200, 2048, 1000, 32, False),
+                                               (200, 256, 1000, 8, False)])
+def test_clustered_streaming_update_is_the_default_below_1024_rows(M, K, N, r, clustered):
+    """Below 1024 rows the default update takes the streaming kernel on clusters at ranks up to 16 (where
+    at least two blocks of a cluster keep 256 columns of K each), the tiles kernel otherwise; the linear
+    (which adds the bias in the update) matches float64 either way."""
+    x, W, b, V, c, U = operands(M, K, N, r, torch.bfloat16, codes=True, seed=stable_seed(M, K, N, r, 7))
+    ref = linear_ref64(x, W, b, V, c, U, 1.5)
+    torch_err = rel_err(reference.bem_linear(x, W, b, V, c, U, 1.5), ref)
+    poison_allocator(x.device, M * N)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        y, P = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5)
+        torch.cuda.synchronize()
+    names = [event.name for event in prof.events()]
+    assert any("lowrank_stream_kernel" in name and "true>" in name for name in names) == clustered, names
+    assert rel_err(y, ref) <= bound(torch_err, torch.bfloat16)
+    assert rel_err(P, x.double() @ V.double()) < 1e-2
+
+
 @pytest.mark.parametrize("mode", [2, 3])
 @pytest.mark.parametrize("M,N,r", [(1100, 1000, 16), (2048, 517, 24), (200, 1000, 16), (45, 520, 64)])
 def test_streaming_update_inside_the_linear(mode, M, N, r):

@@ -62,9 +62,11 @@ constexpr int kStreamMaxRank = 64;
 constexpr int kStreamTallBlockMaxRank = 32;  // 64-token blocks: their partial products fill the registers above
 constexpr int kStreamMaxCluster = 8;
 constexpr int kStreamClusterMinK = 256;  // columns of K each block of a cluster keeps at least
-// Clusters by shape up to this rank: at r = 16 to 64 they measured no faster than the other kernels below
-// 1024 rows (H200, 4096², M = 32-512: r = 32 12-17 us against 12-16 us, r = 64 18-30 us against 14-18 us).
-constexpr int kStreamClusterMaxRank = 8;
+// Clusters by shape up to this rank. Below 1024 rows on an H200 (update alone, 4096²) they were ahead at
+// r = 16 (M = 64: 7.2 us against 11.0 for the tiles kernel; M = 512: 12.1 against 13.7; M = 1024, where
+// the streaming kernel ran without: 12.0 against 17.2) and behind at r = 32 (M = 256: 15.6 against 13.0
+// for the two GEMMs; M = 512: 19.3 against 13.9) and r = 64 (18-30 against 14-18).
+constexpr int kStreamClusterMaxRank = 16;
 bool lowrank_stream_fits(const LowRankArgs& args);
 int lowrank_stream_tokens(const LowRankArgs& args);
 int lowrank_stream_cluster(const LowRankArgs& args);
