@@ -135,8 +135,8 @@ class HierarchicalController(nn.Module):
                 f"side_signals must have shape ({batch}, {self.side_signal_dim}), got {tuple(side_signals.shape)}"
             )
 
-    def project_side(self, side_signals: Optional[torch.Tensor], batch: int) -> Optional[torch.Tensor]:
-        self.check_side(side_signals, batch)
+    def project_side(self, side_signals: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The side signals' projection (after check_side)."""
         return None if self.side_proj is None else self.side_proj(side_signals.to(self.side_proj.weight.dtype))
 
     def _codes(self, z: torch.Tensor, p: torch.Tensor, chunk_ctx: torch.Tensor, out_dtype: torch.dtype):
@@ -231,7 +231,7 @@ class HierarchicalController(nn.Module):
         summaries = self.chunk_summary(torch.cat([chunk_mean, chunk_end_p], dim=-1))[:, :num_chunks]
         ema = self._ema_over_chunks(summaries)  # (B, num_chunks, d): e_k for k = 0..num_chunks-1
 
-        side = self.project_side(side_signals, B)
+        side = self.project_side(side_signals)
         chunk_ctx_per_chunk = ema if side is None else ema + side.unsqueeze(1)
         chunk_ctx = torch.gather(chunk_ctx_per_chunk, 1, chunk_index.clamp(max=num_chunks - 1).unsqueeze(-1)
                                  .expand(B, T, z.shape[-1]))
@@ -273,12 +273,12 @@ class HierarchicalController(nn.Module):
                 f"attention_mask for the new tokens must have shape ({B}, {T}), got {tuple(attention_mask.shape)}"
             )
 
-    @classmethod
-    def _mask(cls, attention_mask: Optional[torch.Tensor], B: int, T: int, dtype: torch.dtype,
+    @staticmethod
+    def _mask(attention_mask: Optional[torch.Tensor], B: int, T: int, dtype: torch.dtype,
               device: torch.device) -> torch.Tensor:
+        """The mask as 0/1 values of dtype (after _check_mask)."""
         if attention_mask is None:
             return torch.ones(B, T, dtype=dtype, device=device)
-        cls._check_mask(attention_mask, B, T)
         return (attention_mask != 0).to(dtype)
 
     # ------------------------------------------------------------------ incremental (cached) decoding
@@ -294,6 +294,7 @@ class HierarchicalController(nn.Module):
         if state.batch_size != B:
             raise ValueError(f"routing state holds {state.batch_size} sequences but the input has {B}")
         out_dtype = out_dtype or hidden.dtype
+        self._check_mask(attention_mask, B, T)
         mask = self._mask(attention_mask, B, T, self.input_proj.weight.dtype, hidden.device)
         tensors = (state.count, state.prefix_sum, state.chunk_ema, state.open_sum, state.side)
         if self.graphs.step_eligible(hidden):

@@ -39,7 +39,7 @@ class _CapturedCall:
     """One call captured with its input buffers; `run` copies new inputs in and replays it."""
 
     def __init__(self, math: Callable[..., tuple], inputs: Sequence[Optional[torch.Tensor]]) -> None:
-        self.inputs = [None if t is None else t.clone() for t in inputs]
+        self.inputs = _clone(inputs)
         self.device = inputs[0].device
         with torch.cuda.device(self.device):  # the graph and its streams on the inputs' device
             side_stream = torch.cuda.Stream()
