@@ -232,6 +232,23 @@ class BEMModel(nn.Module):
 
         save_as_peft_lora(self, Path(save_directory))
 
+    def merge_and_unload(self) -> nn.Module:
+        """Fold each module's update into its frozen weight (W += s U V^T) and give back the bare base
+        model, as PEFT's `merge_and_unload`. Only a BEM with routing off has an update that does not
+        depend on the context."""
+        if self.controller is not None:
+            raise ValueError(
+                "this BEM routes its codes per token, so its update depends on the context and cannot be folded "
+                "into the weights; only a BEM with enable_routing=False can be merged (unload() removes BEM "
+                "without merging)"
+            )
+        modules = [module for _, module in self.bem_modules()]
+        for module in modules:  # all checked before any weight changes
+            module.check_mergeable()
+        for module in modules:
+            module.merge_into_base()
+        return self.unload()
+
     def unload(self) -> nn.Module:
         """Remove every BEM module and hook and give back the bare base model."""
         self._hooks.remove()

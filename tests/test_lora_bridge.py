@@ -91,3 +91,54 @@ def test_from_peft_lora_rejects_what_it_cannot_represent(load_base, tmp_path):
         BEMModel.from_peft_lora(load_base("llama"), tmp_path)
     with pytest.raises(FileNotFoundError, match="adapter_config.json"):
         BEMModel.from_peft_lora(load_base("llama"), tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
+def test_merge_and_unload_folds_the_update_into_the_weights(arch, load_base):
+    bem = create_hierarchical_bem(load_base(arch), HierarchicalBEMConfig(rank=4, alpha=8.0, enable_routing=False))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for _, module in bem.bem_modules():
+            module.bem_U.normal_(std=0.3)
+    ids = random_ids(2, 10, seed=3)
+    expected = bem(input_ids=ids).logits
+    merged = bem.merge_and_unload()
+    assert not any(type(m).__name__ == "BEMLinear" for m in merged.modules())
+    assert (merged(input_ids=ids).logits - expected).abs().max().item() < 1e-4
+    assert (expected - load_base(arch)(input_ids=ids).logits).abs().max().item() > 1e-3  # the update matters
+
+
+def test_merge_and_unload_matches_peft_merge(load_base, tmp_path):
+    """The BEM exported as LoRA and merged by PEFT gives the same weights as BEM's own merge."""
+    bem = create_hierarchical_bem(load_base("gpt2"), HierarchicalBEMConfig(rank=4, alpha=8.0, enable_routing=False))
+    torch.manual_seed(4)
+    with torch.no_grad():
+        for _, module in bem.bem_modules():
+            module.bem_U.normal_(std=0.3)
+    bem.save_as_peft_lora(tmp_path)
+    ours = bem.merge_and_unload().state_dict()
+    theirs = PeftModel.from_pretrained(load_base("gpt2"), tmp_path).merge_and_unload().state_dict()
+    assert sorted(ours) == sorted(theirs)
+    for key, value in ours.items():
+        assert torch.allclose(value, theirs[key], atol=1e-6), key
+
+
+def test_merge_and_unload_refuses_a_routed_bem(load_base):
+    bem = create_hierarchical_bem(load_base("llama"), HierarchicalBEMConfig(rank=4))
+    with pytest.raises(ValueError, match="enable_routing=False can be merged"):
+        bem.merge_and_unload()
+    assert any(type(m).__name__ == "BEMLinear" for m in bem.base_model.modules())  # left as it was
+
+
+def test_merge_and_unload_refuses_an_integer_weight_before_changing_any(load_base):
+    bem = create_hierarchical_bem(load_base("llama"), HierarchicalBEMConfig(rank=4, enable_routing=False))
+    with torch.no_grad():
+        for _, module in bem.bem_modules():
+            module.bem_U.normal_(std=0.3)
+    names = [name for name, _ in bem.bem_modules()]
+    last = bem.base_model.get_submodule(names[-1]).base_layer
+    last.weight = torch.nn.Parameter(last.weight.to(torch.int8), requires_grad=False)
+    first = bem.base_model.get_submodule(names[0]).base_layer.weight.clone()
+    with pytest.raises(ValueError, match=f"{names[-1]}: cannot merge into a torch.int8 weight"):
+        bem.merge_and_unload()
+    assert torch.equal(bem.base_model.get_submodule(names[0]).base_layer.weight, first)

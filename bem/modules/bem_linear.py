@@ -85,6 +85,20 @@ class BEMLinear(nn.Module):
             self.bem_V.copy_(lora_a.t())
             self.bem_U.zero_()
 
+    def check_mergeable(self) -> None:
+        """Raise ValueError, naming this module, if its base weight cannot take the update."""
+        weight = self.base_layer.weight
+        if not weight.dtype.is_floating_point or weight.device.type == "meta":
+            raise ValueError(f"{self.name}: cannot merge into a {weight.dtype} weight on {weight.device}")
+
+    def merge_into_base(self) -> None:
+        """Add the update with every code one, s U V^T, to the base weight (computed in float32)."""
+        self.check_mergeable()
+        weight = self.base_layer.weight
+        with torch.no_grad():
+            delta = self.scaling * (self.bem_U.float() @ self.bem_V.float().t())  # N x K, as nn.Linear
+            weight.add_((delta.t() if self.is_conv1d else delta).to(device=weight.device, dtype=weight.dtype))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Hot path: at decode sizes, and for short prompts, generation is bound by host time, and each
         # call's Python cost is what users pay. Parameters and the base layer are read from nn.Module's
