@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
+import types
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
@@ -54,6 +56,35 @@ def _routed_model(model: nn.Module, first_block: nn.Module) -> nn.Module:
     return model
 
 
+def _forward_signature(base_model: nn.Module) -> Optional[inspect.Signature]:
+    """The base model's forward signature with `side_signals` added (keyword-only, before **kwargs), and
+    `self` first; None where the base's cannot be read."""
+    try:
+        parameters = list(inspect.signature(base_model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    kept = [p for p in parameters if p.name not in ("self", "side_signals") and p.kind != p.VAR_KEYWORD]
+    var_keyword = [p for p in parameters if p.kind == p.VAR_KEYWORD]
+    this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    side = inspect.Parameter("side_signals", inspect.Parameter.KEYWORD_ONLY, default=None)
+    return inspect.Signature([this, *kept, side, *var_keyword])
+
+
+def _signed_forward(model: "BEMModel") -> Optional[types.MethodType]:
+    """`model.forward` that shows the base model's arguments to whoever reads its signature: transformers'
+    Trainer keeps only the batch keys a model's forward names, and `BEMModel.forward` takes **kwargs."""
+    signature = _forward_signature(model.base_model)
+    if signature is None:
+        return None
+
+    def forward(self: "BEMModel", *args: Any, side_signals: Optional[torch.Tensor] = None, **kwargs: Any) -> Any:
+        return BEMModel.forward(self, *args, side_signals=side_signals, **kwargs)
+
+    forward.__signature__ = signature  # type: ignore[attr-defined]
+    forward.__doc__ = BEMModel.forward.__doc__
+    return types.MethodType(forward, model)
+
+
 class BEMModel(nn.Module):
     """A Hugging Face model whose target linears carry BEM modules, plus one routing controller.
 
@@ -91,9 +122,13 @@ class BEMModel(nn.Module):
         self.token_routed_names: list[str] = plan.token_routed
         first_block = _first_block(base_model, plan.names)
         self._hooks = RoutingHooks(_routed_model(base_model, first_block), first_block, self.controller, self.context)
+        signed = _signed_forward(self)
+        if signed is not None:
+            self.forward = signed
 
     # ------------------------------------------------------------------ calling
     def forward(self, *args: Any, side_signals: Optional[torch.Tensor] = None, **kwargs: Any) -> Any:
+        """The base model's forward with BEM active; `side_signals` (batch, side_signal_dim) if configured."""
         self._hooks.pending_side_signals = side_signals
         try:
             return self.base_model(*args, **kwargs)

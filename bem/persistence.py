@@ -36,7 +36,12 @@ def save_adapter(model: "BEMModel", directory: Path) -> None:
 def read_adapter_config(directory: Path) -> dict[str, Any]:
     path = directory / CONFIG_NAME
     if not path.is_file():
-        raise FileNotFoundError(f"no BEM adapter in {directory}: {CONFIG_NAME} is missing")
+        hint = ""
+        if (directory / "model.safetensors").is_file():
+            hint = (" (this folder holds a whole model's state dict, as transformers' Trainer writes for a "
+                    "BEMModel: add bem.training.hf_callback.SaveBEMAdapterCallback to its callbacks, or call "
+                    "model.save_pretrained)")
+        raise FileNotFoundError(f"no BEM adapter in {directory}: {CONFIG_NAME} is missing{hint}")
     try:
         record = json.loads(path.read_text())
     except json.JSONDecodeError as err:

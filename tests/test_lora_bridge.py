@@ -32,6 +32,16 @@ def lora_weights(peft_model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     return weights
 
 
+def routing_off_bem(base, seed: int, rank: int = 4, alpha: float = 8.0):
+    """A routing-off BEM whose update is not zero (U random)."""
+    bem = create_hierarchical_bem(base, HierarchicalBEMConfig(rank=rank, alpha=alpha, enable_routing=False))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for _, module in bem.bem_modules():
+            module.bem_U.normal_(std=0.3)
+    return bem
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
 def test_routing_off_with_lora_weights_equals_peft_lora(arch, load_base):
     torch.manual_seed(0)
@@ -66,11 +76,7 @@ def test_bem_from_saved_peft_lora_gives_its_outputs(arch, enable_routing, load_b
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_export_routing_off_bem_loads_in_peft(arch, load_base, tmp_path):
-    bem = create_hierarchical_bem(load_base(arch), HierarchicalBEMConfig(rank=4, alpha=8.0, enable_routing=False))
-    torch.manual_seed(2)
-    with torch.no_grad():
-        for _, module in bem.bem_modules():
-            module.bem_U.normal_(std=0.3)
+    bem = routing_off_bem(load_base(arch), seed=2)
     ids = random_ids(2, 10, seed=2)
     expected = bem(input_ids=ids).logits
     bem.save_as_peft_lora(tmp_path)
@@ -95,11 +101,7 @@ def test_from_peft_lora_rejects_what_it_cannot_represent(load_base, tmp_path):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
 def test_merge_and_unload_folds_the_update_into_the_weights(arch, load_base):
-    bem = create_hierarchical_bem(load_base(arch), HierarchicalBEMConfig(rank=4, alpha=8.0, enable_routing=False))
-    torch.manual_seed(3)
-    with torch.no_grad():
-        for _, module in bem.bem_modules():
-            module.bem_U.normal_(std=0.3)
+    bem = routing_off_bem(load_base(arch), seed=3)
     ids = random_ids(2, 10, seed=3)
     expected = bem(input_ids=ids).logits
     merged = bem.merge_and_unload()
@@ -110,11 +112,7 @@ def test_merge_and_unload_folds_the_update_into_the_weights(arch, load_base):
 
 def test_merge_and_unload_matches_peft_merge(load_base, tmp_path):
     """The BEM exported as LoRA and merged by PEFT gives the same weights as BEM's own merge."""
-    bem = create_hierarchical_bem(load_base("gpt2"), HierarchicalBEMConfig(rank=4, alpha=8.0, enable_routing=False))
-    torch.manual_seed(4)
-    with torch.no_grad():
-        for _, module in bem.bem_modules():
-            module.bem_U.normal_(std=0.3)
+    bem = routing_off_bem(load_base("gpt2"), seed=4)
     bem.save_as_peft_lora(tmp_path)
     ours = bem.merge_and_unload().state_dict()
     theirs = PeftModel.from_pretrained(load_base("gpt2"), tmp_path).merge_and_unload().state_dict()
@@ -131,10 +129,7 @@ def test_merge_and_unload_refuses_a_routed_bem(load_base):
 
 
 def test_merge_and_unload_refuses_an_integer_weight_before_changing_any(load_base):
-    bem = create_hierarchical_bem(load_base("llama"), HierarchicalBEMConfig(rank=4, enable_routing=False))
-    with torch.no_grad():
-        for _, module in bem.bem_modules():
-            module.bem_U.normal_(std=0.3)
+    bem = routing_off_bem(load_base("llama"), seed=5, alpha=16.0)
     names = [name for name, _ in bem.bem_modules()]
     last = bem.base_model.get_submodule(names[-1]).base_layer
     last.weight = torch.nn.Parameter(last.weight.to(torch.int8), requires_grad=False)

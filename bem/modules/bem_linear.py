@@ -29,6 +29,11 @@ class RoutingContext:
         self.enabled: bool = True
         self.codes: Optional[Sequence[torch.Tensor]] = None
 
+    def __getstate__(self) -> dict:
+        # The codes are one forward's scratch, part of its autograd graph: a copied or pickled model
+        # starts without them (deepcopy refuses tensors that are not graph leaves).
+        return {"enabled": self.enabled, "codes": None}
+
     def set_codes(self, codes: torch.Tensor) -> None:
         """codes: (num_modules, *leading_dims, rank), split once per forward."""
         self.codes = codes.unbind(0)
