@@ -182,6 +182,12 @@ class BEMModel(nn.Module):
         finally:
             self.context.enabled = previous
 
+    disable_adapter = disable_bem  # PEFT's name
+
+    def get_base_model(self) -> nn.Module:
+        """The wrapped model (its linears carry the BEM modules), as PEFT's `get_base_model`."""
+        return self.base_model
+
     # ------------------------------------------------------------------ parameters
     def bem_modules(self) -> list[tuple[str, BEMLinear]]:
         return [(name, self.base_model.get_submodule(name)) for name in self.bem_module_names]

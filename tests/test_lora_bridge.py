@@ -137,3 +137,13 @@ def test_merge_and_unload_refuses_an_integer_weight_before_changing_any(load_bas
     with pytest.raises(ValueError, match=f"{names[-1]}: cannot merge into a torch.int8 weight"):
         bem.merge_and_unload()
     assert torch.equal(bem.base_model.get_submodule(names[0]).base_layer.weight, first)
+
+
+def test_peft_names_disable_adapter_and_get_base_model(load_base):
+    bem = routing_off_bem(load_base("llama"), seed=6)
+    ids = random_ids(2, 8, seed=6)
+    base_logits = load_base("llama")(input_ids=ids).logits
+    assert bem.get_base_model() is bem.base_model
+    with bem.disable_adapter():
+        assert torch.equal(bem(input_ids=ids).logits, base_logits)
+    assert not torch.allclose(bem(input_ids=ids).logits, base_logits)
