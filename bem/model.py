@@ -77,8 +77,8 @@ def _signed_forward(model: "BEMModel") -> Optional[types.MethodType]:
     if signature is None:
         return None
 
-    def forward(self: "BEMModel", *args: Any, side_signals: Optional[torch.Tensor] = None, **kwargs: Any) -> Any:
-        return BEMModel.forward(self, *args, side_signals=side_signals, **kwargs)
+    def forward(self: "BEMModel", *args: Any, **kwargs: Any) -> Any:
+        return BEMModel.forward(self, *args, **kwargs)
 
     forward.__signature__ = signature  # type: ignore[attr-defined]
     forward.__doc__ = BEMModel.forward.__doc__
@@ -127,8 +127,13 @@ class BEMModel(nn.Module):
             self.forward = signed
 
     # ------------------------------------------------------------------ calling
-    def forward(self, *args: Any, side_signals: Optional[torch.Tensor] = None, **kwargs: Any) -> Any:
-        """The base model's forward with BEM active; `side_signals` (batch, side_signal_dim) if configured."""
+    def forward(self, *args: Any, side_signals: Optional[torch.Tensor] = None, labels: Any = None,
+                **kwargs: Any) -> Any:
+        """The base model's forward with BEM active; `side_signals` (batch, side_signal_dim) if configured.
+        `labels` is named here (and passed on when given) because transformers' Trainer finds a model's
+        label names in its class's forward signature."""
+        if labels is not None:
+            kwargs["labels"] = labels
         self._hooks.pending_side_signals = side_signals
         try:
             return self.base_model(*args, **kwargs)
@@ -154,10 +159,11 @@ class BEMModel(nn.Module):
                 raise
             return getattr(self.base_model, name)
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: Optional[dict] = None, **kwargs: Any) -> None:
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: Optional[dict] = None,
+                                        **kwargs: Any) -> None:
         """Checkpoint the base model's blocks. Only the non-reentrant variant keeps the controller's
         gradients: its codes feed every block, so a reentrant recompute would cut them off."""
-        options = dict(gradient_checkpointing_kwargs or {})
+        options = dict(activation_checkpointing_kwargs or {})
         if options.get("use_reentrant", False):
             raise ValueError(
                 "BEM needs non-reentrant activation checkpointing (use_reentrant=False): with use_reentrant=True "
@@ -167,10 +173,12 @@ class BEMModel(nn.Module):
         enable = getattr(self.base_model, "activation_checkpointing_enable", None)
         if enable is not None:
             enable(activation_checkpointing_kwargs=options, **kwargs)
-        else:
+        else:  # transformers releases before the rename
             self.base_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options, **kwargs)
 
-    activation_checkpointing_enable = gradient_checkpointing_enable
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: Optional[dict] = None, **kwargs: Any) -> None:
+        """`activation_checkpointing_enable` under its older transformers name."""
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs, **kwargs)
 
     @contextlib.contextmanager
     def disable_bem(self) -> Iterator[None]:

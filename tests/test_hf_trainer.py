@@ -50,15 +50,19 @@ def test_a_deep_copy_after_a_training_forward_is_its_own_model(load_base):
     assert not torch.allclose(twin(input_ids=ids).logits, expected)
 
 
-def test_trainer_updates_bem_and_leaves_the_base_frozen(load_base, tmp_path):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_trainer_updates_bem_and_leaves_the_base_frozen(checkpointing, load_base, tmp_path):
     torch.manual_seed(0)
     model = create_hierarchical_bem(load_base("llama"), HierarchicalBEMConfig(rank=4))
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=4,
                              learning_rate=1e-2, save_strategy="no", report_to=[], use_cpu=True,
-                             disable_tqdm=True)
-    result = Trainer(model=model, args=args, train_dataset=_Batches()).train()
+                             disable_tqdm=True, gradient_checkpointing=checkpointing)
+    trainer = Trainer(model=model, args=args, train_dataset=_Batches(), eval_dataset=_Batches())
+    result = trainer.train()
     assert result.global_step == 4 and torch.isfinite(torch.tensor(result.training_loss))
+    assert trainer.label_names == ["labels"]  # read from BEMModel's forward, as from the base model's
+    assert torch.isfinite(torch.tensor(trainer.evaluate()["eval_loss"]))
     changed = {name for name, p in model.named_parameters() if not torch.equal(p, before[name])}
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert changed and changed <= trainable
