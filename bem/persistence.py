@@ -39,8 +39,8 @@ def read_adapter_config(directory: Path) -> dict[str, Any]:
         hint = ""
         if (directory / "model.safetensors").is_file():
             hint = (" (this folder holds a whole model's state dict, as transformers' Trainer writes for a "
-                    "BEMModel: add bem.training.hf_callback.SaveBEMAdapterCallback to its callbacks, or call "
-                    "model.save_pretrained)")
+                    "BEMModel: train with bem.training.hf_trainer.BEMTrainer, whose checkpoints hold the adapter, "
+                    "or call model.save_pretrained)")
         raise FileNotFoundError(f"no BEM adapter in {directory}: {CONFIG_NAME} is missing{hint}")
     try:
         record = json.loads(path.read_text())
@@ -81,6 +81,18 @@ def load_adapter(base_model: nn.Module, directory: Path, is_trainable: bool = Fa
     else:
         model.eval()
     return model
+
+
+def load_adapter_weights(model: "BEMModel", directory: Path) -> None:
+    """Load a saved adapter's weights into `model`, which must have the same modules and shapes (a resumed
+    run); nothing changes on error."""
+    from safetensors.torch import load_file
+
+    read_adapter_config(directory)
+    weights_path = directory / WEIGHTS_NAME
+    if not weights_path.is_file():
+        raise FileNotFoundError(f"no BEM adapter weights in {directory}: {WEIGHTS_NAME} is missing")
+    model.load_bem_state_dict(load_file(str(weights_path)))
 
 
 def _check_base_shapes(base_model: nn.Module, shapes: dict, directory: Path) -> None:

@@ -1,6 +1,5 @@
 """A BEMModel trains under transformers' Trainer as a PEFT model does: its forward names the base
-model's arguments, so the Trainer keeps the batch's keys; SaveBEMAdapterCallback puts the adapter in
-each checkpoint."""
+model's arguments, so the Trainer keeps the batch's keys; BEMTrainer's checkpoints hold the adapter."""
 
 from __future__ import annotations
 
@@ -9,10 +8,10 @@ import inspect
 
 import pytest
 import torch
-from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 from bem import BEMModel, HierarchicalBEMConfig, create_hierarchical_bem
-from bem.training.hf_callback import SaveBEMAdapterCallback
+from bem.training.hf_trainer import BEMTrainer
 
 from conftest import random_ids
 
@@ -69,33 +68,64 @@ def test_trainer_updates_bem_and_leaves_the_base_frozen(checkpointing, load_base
     assert any(".bem_U" in name for name in changed)
 
 
-def test_checkpoints_hold_the_adapter_with_the_callback(load_base, tmp_path):
+def _args(tmp_path, **overrides) -> TrainingArguments:
+    options = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=4, save_steps=2,
+                   learning_rate=1e-2, report_to=[], use_cpu=True, disable_tqdm=True, seed=7)
+    options.update(overrides)
+    return TrainingArguments(**options)
+
+
+def _bem_weights(model) -> dict:
+    return {name: value.clone() for name, value in model.bem_state_dict().items()}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])  # gpt2 ties its embeddings: a whole state dict fails
+def test_bem_trainer_checkpoints_hold_the_adapter(arch, load_base, tmp_path):
     torch.manual_seed(1)
-    model = create_hierarchical_bem(load_base("llama"), HierarchicalBEMConfig(rank=4))
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=4, save_steps=2,
-                             learning_rate=1e-2, report_to=[], use_cpu=True, disable_tqdm=True)
-    trainer = Trainer(model=model, args=args, train_dataset=_Batches(), callbacks=[SaveBEMAdapterCallback()])
-    trainer.train()
+    model = create_hierarchical_bem(load_base(arch), HierarchicalBEMConfig(rank=4))
+    BEMTrainer(model=model, args=_args(tmp_path), train_dataset=_Batches()).train()
+    assert sorted(p.name for p in (tmp_path / "checkpoint-4").glob("*.safetensors")) == ["adapter_model.safetensors"]
     ids = random_ids(2, 9, seed=5)
     model.eval()
     with torch.no_grad():
         expected = model(input_ids=ids).logits
-        loaded = BEMModel.from_pretrained(load_base("llama"), tmp_path / "checkpoint-4")
+        loaded = BEMModel.from_pretrained(load_base(arch), tmp_path / "checkpoint-4")
         assert torch.equal(loaded(input_ids=ids).logits, expected)
-        early = BEMModel.from_pretrained(load_base("llama"), tmp_path / "checkpoint-2")
+        early = BEMModel.from_pretrained(load_base(arch), tmp_path / "checkpoint-2")
         assert not torch.equal(early(input_ids=ids).logits, expected)
 
 
-def test_a_trainer_checkpoint_without_the_adapter_is_refused_with_the_way_out(load_base, tmp_path):
+def test_bem_trainer_resumes_where_it_stopped(load_base, tmp_path):
+    torch.manual_seed(2)
+    whole = create_hierarchical_bem(load_base("llama"), HierarchicalBEMConfig(rank=4))
+    start = _bem_weights(whole)
+    BEMTrainer(model=whole, args=_args(tmp_path / "whole"), train_dataset=_Batches()).train()
+    resumed = create_hierarchical_bem(load_base("llama"), HierarchicalBEMConfig(rank=4))
+    resumed.load_bem_state_dict(start)
+    BEMTrainer(model=resumed, args=_args(tmp_path / "whole"), train_dataset=_Batches()).train(
+        resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
+    ends, again = _bem_weights(whole), _bem_weights(resumed)
+    assert not torch.equal(ends["modules.model.layers.0.mlp.up_proj.U"], start["modules.model.layers.0.mlp.up_proj.U"])
+    for name, value in ends.items():
+        assert torch.allclose(again[name], value, atol=1e-6), name
+
+
+def test_bem_trainer_loads_the_best_checkpoint_at_the_end(load_base, tmp_path):
+    torch.manual_seed(3)
     model = create_hierarchical_bem(load_base("llama"), HierarchicalBEMConfig(rank=4))
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1, save_steps=1,
-                             report_to=[], use_cpu=True, disable_tqdm=True)
-    Trainer(model=model, args=args, train_dataset=_Batches()).train()
-    with pytest.raises(FileNotFoundError, match="SaveBEMAdapterCallback"):
+    args = _args(tmp_path, max_steps=6, eval_strategy="steps", eval_steps=2, load_best_model_at_end=True,
+                 metric_for_best_model="eval_loss", learning_rate=0.5)
+    trainer = BEMTrainer(model=model, args=args, train_dataset=_Batches(), eval_dataset=_Batches())
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert best is not None
+    best_model = BEMModel.from_pretrained(load_base("llama"), best)
+    for name, value in best_model.bem_state_dict().items():
+        assert torch.equal(model.bem_state_dict()[name], value), name
+
+
+def test_a_plain_trainer_checkpoint_is_refused_with_the_way_out(load_base, tmp_path):
+    model = create_hierarchical_bem(load_base("llama"), HierarchicalBEMConfig(rank=4))
+    Trainer(model=model, args=_args(tmp_path, max_steps=1, save_steps=1), train_dataset=_Batches()).train()
+    with pytest.raises(FileNotFoundError, match="BEMTrainer"):
         BEMModel.from_pretrained(load_base("llama"), tmp_path / "checkpoint-1")
-
-
-def test_the_callback_refuses_another_model(tmp_path):
-    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
-    with pytest.raises(TypeError, match="saves a BEMModel, but the Trainer's model is a Linear"):
-        SaveBEMAdapterCallback().on_save(args, TrainerState(), TrainerControl(), model=torch.nn.Linear(2, 2))
