@@ -53,14 +53,27 @@ class TargetPlan:
     token_routed: list[str]  # the subset whose codes get the token level
 
 
+# As in PEFT: every nn.Linear and Conv1D but the output layer.
+ALL_LINEAR = "all-linear"
+
+
 def _is_wrappable(module: nn.Module) -> bool:
     return isinstance(module, (nn.Linear, Conv1D))
 
 
 def _matches(name: str, selector: Union[list[str], str]) -> bool:
+    if selector == ALL_LINEAR:
+        return True
     if isinstance(selector, str):
         return re.fullmatch(selector, name) is not None
     return any(name == key or name.endswith("." + key) for key in selector)
+
+
+def _output_layer_names(model: nn.Module) -> set[str]:
+    """The output embedding layer (an LM head), which "all-linear" leaves out as PEFT does."""
+    get_output = getattr(model, "get_output_embeddings", None)
+    head = get_output() if callable(get_output) else None
+    return {name for name, module in model.named_modules() if head is not None and module is head}
 
 
 def _model_type(model: nn.Module) -> Optional[str]:
@@ -85,12 +98,14 @@ def plan_targets(model: nn.Module, config: HierarchicalBEMConfig) -> TargetPlan:
         selector = "|".join(f"(?:{attach[p]})" for p in points)
 
     names, rejected = [], []
+    all_linear = selector == ALL_LINEAR
+    skipped = _output_layer_names(model) if all_linear else set()
     for name, module in model.named_modules():
-        if not name or not _matches(name, selector):
+        if not name or name in skipped or not _matches(name, selector):
             continue
         if _is_wrappable(module):
             names.append(name)
-        elif isinstance(selector, list) or not list(module.children()):
+        elif not all_linear and (isinstance(selector, list) or not list(module.children())):
             rejected.append(f"{name} ({type(module).__name__})")
     if rejected and isinstance(selector, list):
         raise ValueError(

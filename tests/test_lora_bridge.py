@@ -147,3 +147,14 @@ def test_peft_names_disable_adapter_and_get_base_model(load_base):
     with bem.disable_adapter():
         assert torch.equal(bem(input_ids=ids).logits, base_logits)
     assert not torch.allclose(bem(input_ids=ids).logits, base_logits)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
+def test_all_linear_wraps_what_peft_wraps(arch, load_base):
+    lora = get_peft_model(load_base(arch), LoraConfig(r=4, target_modules="all-linear", fan_in_fan_out=arch == "gpt2"))
+    expected = sorted(lora_weights(lora))
+    bem = create_hierarchical_bem(load_base(arch), HierarchicalBEMConfig(rank=4, target_modules="all-linear",
+                                                                         token_routing_modules="all-linear"))
+    assert sorted(bem.bem_module_names) == expected
+    assert sorted(bem.token_routed_names) == expected
+    assert not any("lm_head" in name or "decoder" in name for name in expected)
