@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.nn as nn
 
 from .config import HierarchicalBEMConfig
@@ -54,8 +55,6 @@ def read_adapter_config(directory: Path) -> dict[str, Any]:
 
 
 def load_adapter(base_model: nn.Module, directory: Path, is_trainable: bool = False, **overrides: Any) -> "BEMModel":
-    from safetensors.torch import load_file
-
     from .model import create_hierarchical_bem
 
     record = read_adapter_config(directory)
@@ -63,10 +62,7 @@ def load_adapter(base_model: nn.Module, directory: Path, is_trainable: bool = Fa
     config_data.update(overrides)
     config = HierarchicalBEMConfig.from_dict(config_data)
     _check_base_shapes(base_model, record.get("module_shapes", {}), directory)
-    weights_path = directory / WEIGHTS_NAME
-    if not weights_path.is_file():
-        raise FileNotFoundError(f"no BEM adapter weights in {directory}: {WEIGHTS_NAME} is missing")
-    state = load_file(str(weights_path))  # safetensors: plain tensors, no unpickling
+    state = _read_weights(directory)
     model = create_hierarchical_bem(base_model, config)
     try:
         model.load_bem_state_dict(state)
@@ -86,13 +82,17 @@ def load_adapter(base_model: nn.Module, directory: Path, is_trainable: bool = Fa
 def load_adapter_weights(model: "BEMModel", directory: Path) -> None:
     """Load a saved adapter's weights into `model`, which must have the same modules and shapes (a resumed
     run); nothing changes on error."""
+    read_adapter_config(directory)
+    model.load_bem_state_dict(_read_weights(directory))
+
+
+def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    read_adapter_config(directory)
     weights_path = directory / WEIGHTS_NAME
     if not weights_path.is_file():
         raise FileNotFoundError(f"no BEM adapter weights in {directory}: {WEIGHTS_NAME} is missing")
-    model.load_bem_state_dict(load_file(str(weights_path)))
+    return load_file(str(weights_path))  # safetensors: plain tensors, no unpickling
 
 
 def _check_base_shapes(base_model: nn.Module, shapes: dict, directory: Path) -> None:
