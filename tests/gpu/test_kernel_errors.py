@@ -101,6 +101,8 @@ def test_kernel_choice_arguments_are_checked():
     W = torch.randn(16, 32, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="unknown linear mode 9"):
         custom_ops._C.linear_forward(x, W, None, V, None, U, 1.0, 9)
+    with pytest.raises(ValueError, match="gemm_tile_n must be 0 .chosen by shape., 128 or 256, got 64"):
+        custom_ops._C.linear_forward(x, W, None, V, None, U, 1.0, 6, gemm_tile_n=64)
     if torch.cuda.get_device_capability()[0] >= 9:  # the streaming decode kernel runs on Hopper
         with pytest.raises(ValueError, match="1, 2, 4 or 8 blocks, got split_k = 3"):
             custom_ops._C.linear_forward(x, W, None, V, None, U, 1.0, 1, 3)

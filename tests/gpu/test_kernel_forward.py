@@ -309,20 +309,24 @@ fused_gemm = pytest.mark.skipif(
     "M,K,N,r,codes,bias",
     [(1, 8, 8, 8, False, False), (129, 64, 136, 16, True, False), (1000, 776, 904, 8, True, True),
      (777, 768, 768, 64, False, True), (300, 2056, 1032, 40, True, True), (5000, 768, 776, 24, True, True),
-     (6000, 3072, 768, 32, True, True)],
+     (6000, 3072, 768, 32, True, True), (515, 1032, 1160, 56, True, True)],
 )
-def test_gemm_with_the_update_inside_matches_float64(dtype, M, K, N, r, codes, bias):
-    """Linear mode 6: odd M, N not a multiple of 256, K not a multiple of 64, ranks padded to 8..64,
-    with and without codes and bias, several tiles per block (M = 5000 and 6000); P comes out too."""
+@pytest.mark.parametrize("tile_n", [128, 256])
+@pytest.mark.parametrize("mode", [6, 7])
+def test_gemm_with_the_update_inside_matches_float64(dtype, M, K, N, r, codes, bias, tile_n, mode):
+    """Linear modes 6 (P computed inside) and 7 (s P ⊙ codes from cuBLAS and the scaling kernel first)
+    with 128- and 256-column tiles: odd M, N not a multiple of 128 or 256, K not a multiple of 64, ranks
+    padded to 8..64, with and without codes and bias, several tiles per block (M = 5000 and 6000); P
+    comes out too."""
     x, W, b, V, c, U = operands(M, K, N, r, dtype, codes=codes, seed=stable_seed(M, K, N, r, str(dtype)))
     b = b if bias else None
     ref = linear_ref64(x, W, b, V, c, U, 1.5)
     torch_err = rel_err(reference.bem_linear(x, W, b, V, c, U, 1.5), ref)
     poison_allocator(x.device, M * N + M * r)
-    y, P = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 6)
+    y, P = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, mode, gemm_tile_n=tile_n)
     assert rel_err(y, ref) <= bound(torch_err, dtype)
     assert P.dtype == torch.float32 and rel_err(P, x.double() @ V.double()) < 1e-5
-    y2, P2 = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 6, 0, False)
+    y2, P2 = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, mode, 0, False, gemm_tile_n=tile_n)
     assert P2 is None and torch.equal(y, y2)
 
 

@@ -26,6 +26,7 @@ enum LinearMode : int64_t {
   kGemmThenAddmm = 4,    // update kernel computes only X V; cuBLAS adds (s X V ⊙ c) U^T (beta = 1)
   kDecodeTiles = 5,      // the tiled split-K decode kernel (M <= 64, any layout, sm_80+)
   kGemmUpdate = 6,       // one tensor-core GEMM with the update inside (gemm_update.cu)
+  kGemmUpdateProjected = 7,  // cuBLAS P = x V, s P ⊙ c (scale_codes.cu), then that GEMM adds (s P ⊙ c) U^T
 };
 // Chosen by measurement at prefill sizes (docs/kernels.md).
 constexpr LinearMode kPrefillMode = kUpdateThenGemm;
@@ -142,13 +143,19 @@ Tensor project_gemm(const Tensor& A, const Tensor& B) {
   return tensor_core_dtype(A) ? at::mm(A, B, at::kFloat) : at::mm(A, B).to(p_dtype(A));
 }
 
-// Y (=|+=) s (P ⊙ codes) U^T (+ bias) with P = A B from cuBLAS; returns P.
-Tensor run_update_gemms(const Tensor& A, const Tensor& B, const OptTensor& codes, const Tensor& U, const Tensor* bias,
-                        Tensor& Y, double scale, bool accumulate) {
+// P = A B from cuBLAS (fp32) and Pc = s P ⊙ codes rounded to A's dtype.
+std::pair<Tensor, Tensor> scaled_projection(const Tensor& A, const Tensor& B, const OptTensor& codes, double scale) {
   Tensor P = project_gemm(A, B);
   Tensor Pc = at::empty(P.sizes(), A.options());
   C10_CUDA_CHECK(launch_scale_codes(dtype_of(A), P.data_ptr<float>(), codes.has_value() ? codes->data_ptr() : nullptr,
                                     Pc.data_ptr(), P.numel(), (float)scale, stream_now()));
+  return {P, Pc};
+}
+
+// Y (=|+=) s (P ⊙ codes) U^T (+ bias) with P = A B from cuBLAS; returns P.
+Tensor run_update_gemms(const Tensor& A, const Tensor& B, const OptTensor& codes, const Tensor& U, const Tensor* bias,
+                        Tensor& Y, double scale, bool accumulate) {
+  auto [P, Pc] = scaled_projection(A, B, codes, scale);
   const Tensor Ut = U.t();
   if (accumulate) {
     Y.addmm_(Pc, Ut);
@@ -292,25 +299,29 @@ bool gemm_update_suits(const Tensor& x, const Tensor& weight, const OptTensor& b
                        const Tensor& U) {
   const int64_t M = x.size(0), K = x.size(1), N = U.size(0), r = V.size(1);
   return K * N <= gemm_update_max_kn(r) && gemm_update_takes(x, weight, bias, V, U) &&
-         2 * gemm_update_tiles((int)M, (int)N) >= num_sms(x.get_device()) && sm90a_runs(x.get_device());
+         gemm_update_tile_n((int)M, (int)N, num_sms(x.get_device())) == 256 && sm90a_runs(x.get_device());
 }
 
-GemmUpdateArgs gemm_update_args(const Tensor& x, const Tensor& weight, const Tensor* bias, const Tensor& Vt,
-                                const OptTensor& codes, const Tensor& U, Tensor& Y, Tensor& P, double scale) {
+// Vt (with codes, and P to write) where the GEMM computes P itself, else Pc = s P ⊙ codes computed before.
+GemmUpdateArgs gemm_update_args(const Tensor& x, const Tensor& weight, const Tensor* bias, const Tensor* Vt,
+                                const OptTensor& codes, const Tensor* Pc, const Tensor& U, Tensor& Y,
+                                const Tensor& P, double scale, int64_t tile_n) {
   GemmUpdateArgs args{};
   args.X = x.data_ptr();
   args.W = weight.data_ptr();
   args.bias = bias ? bias->data_ptr() : nullptr;
-  args.Vt = Vt.data_ptr();
+  args.Vt = Vt ? Vt->data_ptr() : nullptr;
   args.codes = codes.has_value() ? codes->data_ptr() : nullptr;
+  args.Pc = Pc ? Pc->data_ptr() : nullptr;
   args.U = U.data_ptr();
   args.Y = Y.data_ptr();
   args.P = P.defined() ? P.data_ptr<float>() : nullptr;
   args.M = (int)x.size(0);
   args.N = (int)U.size(0);
   args.K = (int)x.size(1);
-  args.r = (int)Vt.size(0);
+  args.r = (int)U.size(1);
   args.num_sms = num_sms(x.get_device());
+  args.tile_n = (int)tile_n;
   args.scale = (float)scale;
   return args;
 }
@@ -319,7 +330,7 @@ GemmUpdateArgs gemm_update_args(const Tensor& x, const Tensor& weight, const Ten
 // and the GEMM with the update inside read V^T, and without it each call makes a copy, one more launch.
 std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& V,
                                        const OptTensor& codes, const Tensor& U, double scale, int64_t mode,
-                                       int64_t split_k, bool need_p, const OptTensor& V_t) {
+                                       int64_t split_k, bool need_p, const OptTensor& V_t, int64_t gemm_tile_n) {
   check_update_operands(x, V, codes, U);
   check_weight(x, weight, bias, U);
   if (V_t.has_value()) {
@@ -337,7 +348,9 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
     const bool decode = fits_decode && M <= kDecodeAutoMaxTokens;
     mode = decode ? kDecode : gemm_update_suits(x, weight, bias, V, U) ? kGemmUpdate : kPrefillMode;
   }
-  BEM_CHECK(mode >= kDecode && mode <= kGemmUpdate, "unknown linear mode ", mode);
+  BEM_CHECK(mode >= kDecode && mode <= kGemmUpdateProjected, "unknown linear mode ", mode);
+  BEM_CHECK(gemm_tile_n == 0 || gemm_tile_n == 128 || gemm_tile_n == 256,
+            "gemm_tile_n must be 0 (chosen by shape), 128 or 256, got ", gemm_tile_n);
   if (!tensor_core_dtype(x) || M == 0) mode = kGemmThenUpdate;  // float/double: cuBLAS + simple kernels
   const Tensor* bias_ptr = bias.has_value() ? &*bias : nullptr;
 
@@ -384,7 +397,7 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
     C10_CUDA_CHECK(launch_decode_linear(dtype_of(x), args, stream_now()));
     return {Y, P};
   }
-  if (mode == kGemmUpdate) {
+  if (mode == kGemmUpdate || mode == kGemmUpdateProjected) {
     BEM_CHECK(sm90a_runs(x.get_device()), "the fused GEMM needs a compute capability 9.0 GPU and the ",
               "extension built for sm_90a (TORCH_CUDA_ARCH_LIST=9.0a)");
     BEM_CHECK(gemm_update_takes(x, weight, bias, V, U),
@@ -392,10 +405,18 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
               kGemmUpdateMaxRank, " and 16-byte aligned x, weight and U; got x ", x.sizes(), ", weight ",
               weight.sizes(), " strides ", weight.strides(), ", rank ", r);
     Tensor Y = at::empty({M, N}, x.options());
+    if (mode == kGemmUpdateProjected) {
+      auto [P, Pc] = scaled_projection(x, V, codes, scale);
+      const GemmUpdateArgs args =
+          gemm_update_args(x, weight, bias_ptr, nullptr, c10::nullopt, &Pc, U, Y, Tensor(), scale, gemm_tile_n);
+      C10_CUDA_CHECK(launch_gemm_update(dtype_of(x), args, stream_now()));
+      return {Y, need_p ? P : Tensor()};
+    }
     Tensor P = need_p ? at::empty({M, r}, x.options().dtype(at::kFloat)) : Tensor();
     const Tensor Vt = Vt_given ? *Vt_given : V.t().contiguous();  // r x K: K-major, like x and the weight
-    C10_CUDA_CHECK(launch_gemm_update(dtype_of(x), gemm_update_args(x, weight, bias_ptr, Vt, codes, U, Y, P, scale),
-                                      stream_now()));
+    const GemmUpdateArgs args =
+        gemm_update_args(x, weight, bias_ptr, &Vt, codes, nullptr, U, Y, P, scale, gemm_tile_n);
+    C10_CUDA_CHECK(launch_gemm_update(dtype_of(x), args, stream_now()));
     return {Y, P};
   }
   if (mode == kGemmThenUpdate) {
@@ -422,8 +443,9 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
 // flattening here instead of in Python saves a few microseconds of host time per call at decode sizes.
 std::tuple<Tensor, Tensor> linear_forward(const Tensor& x, const Tensor& weight, const OptTensor& bias,
                                           const Tensor& V, const OptTensor& codes, const Tensor& U, double scale,
-                                          int64_t mode, int64_t split_k, bool need_p, const OptTensor& V_t) {
-  if (x.dim() == 2) return linear_rows(x, weight, bias, V, codes, U, scale, mode, split_k, need_p, V_t);
+                                          int64_t mode, int64_t split_k, bool need_p, const OptTensor& V_t,
+                                          int64_t gemm_tile_n) {
+  if (x.dim() == 2) return linear_rows(x, weight, bias, V, codes, U, scale, mode, split_k, need_p, V_t, gemm_tile_n);
   BEM_CHECK(x.dim() > 2, "x must be (..., K) with at least one leading dimension, got shape ", x.sizes());
   check_contiguous(x, "x");
   const int64_t lead = x.dim() - 1;
@@ -437,7 +459,8 @@ std::tuple<Tensor, Tensor> linear_forward(const Tensor& x, const Tensor& weight,
     codes_rows = codes->view({rows, codes->size(-1)});
   }
   auto [Y, P] =
-      linear_rows(x.view({rows, x.size(-1)}), weight, bias, V, codes_rows, U, scale, mode, split_k, need_p, V_t);
+      linear_rows(x.view({rows, x.size(-1)}), weight, bias, V, codes_rows, U, scale, mode, split_k, need_p, V_t,
+                  gemm_tile_n);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = Y.size(1);
   return {Y.view(shape), P};
@@ -462,7 +485,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_forward", &bem::linear_forward, "(Y, P) = (x W^T + b + s ((x V) ⊙ codes) U^T, x V)",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("V"), py::arg("codes"), py::arg("U"),
         py::arg("scaling"), py::arg("mode") = 0, py::arg("split_k") = 0, py::arg("need_p") = true,
-        py::arg("V_t") = py::none());
+        py::arg("V_t") = py::none(), py::arg("gemm_tile_n") = 0);
   m.def("decode_backward", &bem::decode_backward,
         "(dX, dV, dcodes, dU) of the BEM linear (weight given) or of the update, for 1..64 rows",
         py::arg("x"), py::arg("grad_y"), py::arg("weight"), py::arg("V"), py::arg("U"), py::arg("P"), py::arg("codes"),

@@ -1,16 +1,19 @@
 // Y = X W^T + b + s ((X V) ⊙ codes) U^T as one Hopper GEMM with the update inside (fp16/bf16, sm_90a).
 //
 // Where K x N is small (768 x 768: about 35 us for cuBLAS at M = 16384 on an H200) a separate update
-// pass costs more than half of the GEMM, most of it in reading and writing Y a second time. Here each
-// 128 x 256 tile of Y accumulates X W^T over K on the warpgroup tensor cores (wgmma, operands brought
+// pass costs more than half of the GEMM, most of it in reading and writing Y a second time; at a few
+// hundred rows any separate update pass is a chain of latencies of its own. Here each 128 x 256 (or
+// 128 x 128) tile of Y accumulates X W^T over K on the warpgroup tensor cores (wgmma, operands brought
 // into shared memory by TMA); the same X tiles also multiply V^T, so P = X V for the tile's rows comes
-// out of the loop too (V^T's rows ride along with W's last 128 in one wider wgmma). After the loop the tile adds (s P ⊙ codes) U^T, with P ⊙ codes as register
-// operands, and writes Y once. P is recomputed by each of a row's N / 256 column tiles: r / 256 more
-// work per step, cheap while r and N are small.
+// out of the loop too (V^T's rows ride along with W's last 128 in one wider wgmma). After the loop the
+// tile adds (s P ⊙ codes) U^T, with P ⊙ codes as register operands, and writes Y once. P is recomputed
+// by each of a row's column tiles: r / 256 (or r / 128) more work per step, cheap while r and N are
+// small.
 //
-// The copies run ahead of the tensor cores by up to 4 stages (3 at r > 32): the producer waits for a
-// stage's "empty" barrier and starts its TMA copies, which signal its "full" barrier when they land;
-// the consumers wait for "full", run the stage's wgmma and release the stage once they are done.
+// The copies run ahead of the tensor cores by up to 4 stages (3 at r > 32; with 128 columns 6 and 5):
+// the producer waits for a stage's "empty" barrier and starts its TMA copies, which signal its "full"
+// barrier when they land; the consumers wait for "full", run the stage's wgmma and release the stage
+// once they are done.
 // X, W, V^T and U tiles come in as K-major rows of 128 bytes with the 128-byte swizzle, the layout
 // wgmma reads without bank conflicts; TMA fills rows and columns past the tensors with zeros (U's tile
 // is 64 columns wide whatever r is). Measured on the way (M = 16384, 4096², r = 8): cp.async copies
@@ -27,39 +30,48 @@ namespace {
 // copy. The producer gives up registers (setmaxnreg) so that each consumer thread can hold its 128 + r / 2
 // sums. The kernel is persistent (one block per multiprocessor walks the tiles), so the producer copies
 // the next tile's first stages while the consumers finish the last one.
-constexpr int kBM = 128, kBN = 256, kBK = 64, kConsumers = 256, kProducers = 128;
+// Tiles are 128 rows by BN = 256 columns, or 128 where 256-column tiles would leave most multiprocessors
+// idle (a few hundred rows: 512 x 4096 gives 64 tiles of 256 columns, 128 of 128).
+constexpr int kBM = 128, kBK = 64, kConsumers = 256, kProducers = 128;
 constexpr int kThreads = kConsumers + kProducers;
 
-template <int RN> struct GemmLayout {
-  static constexpr int stages = RN <= 32 ? 4 : 3;  // as many as fit in 227 KB
+// PIN: s P ⊙ codes comes in ready (Pc), so the stages carry no V^T and the K loop computes no P.
+template <int RN, int BN, bool PIN> struct GemmLayout {
+  static_assert(BN == 128 || BN == 256, "tiles are 128 or 256 columns wide");
+  // as many stages as fit in 227 KB
+  static constexpr int stages = BN == 256 ? (RN <= 32 ? 4 : 3) : (RN <= 32 ? 6 : 5);
   static constexpr int RP = RN < 16 ? 16 : RN;      // rank padded to the k16 of the U step
   static constexpr int a_bytes = kBM * kBK * 2;
-  static constexpr int w_bytes = kBN * kBK * 2;     // also U's 256 rows (64 columns, zeros past r)
-  static constexpr int v_bytes = RN * kBK * 2;      // V^T's RN rows, right after W's (RN >= 8: whole 1024-byte swizzle groups)
+  static constexpr int w_bytes = BN * kBK * 2;      // also U's BN rows (64 columns, zeros past r)
+  // V^T's RN rows, right after W's (RN >= 8: whole 1024-byte swizzle groups)
+  static constexpr int v_bytes = PIN ? 0 : RN * kBK * 2;
   static constexpr int stage_bytes = a_bytes + w_bytes + v_bytes;
   static_assert(RP <= kBK, "U's rows must fit in one swizzled 128-byte row of W's slot");
   static constexpr int barrier_offset = stages * stage_bytes;
   // full and empty mbarriers per stage, and room to align the start to the swizzle's 1024 bytes
   static constexpr int total_bytes = barrier_offset + 2 * stages * 8 + 1024;
+  static_assert(total_bytes <= 227 * 1024, "the stages must fit in shared memory");
 };
 
 struct GemmUpdateParams {  // besides the TMA maps of X, W, V^T and U
   const void* bias;
   const void* codes;
+  const void* Pc;
   void* Y;
   float* P;
   int M, N, K, r, n_tiles, tiles;
   float scale;
 };
 
-template <typename T, int RN>
+template <typename T, int RN, int BN, bool PIN>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_update_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
                        const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap u_map,
                        GemmUpdateParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Lay = GemmLayout<RN>;
+  using Lay = GemmLayout<RN, BN, PIN>;
   constexpr int RP = Lay::RP, kStages = Lay::stages;
+  constexpr int PN = PIN ? 0 : RN;  // P's columns in the K loop's accumulators
   constexpr int kProducerRegs = 40, kConsumerRegs = 232;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (smem_address(smem_raw) & 1023)) & 1023);
@@ -93,12 +105,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     };
     // The column tiles of one row block are neighbours in tile order, so they share X in L2.
     for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
-      const int m0 = (tile / p.n_tiles) * kBM, n0 = (tile % p.n_tiles) * kBN;
+      const int m0 = (tile / p.n_tiles) * kBM, n0 = (tile % p.n_tiles) * BN;
       for (int kt = 0; kt < k_tiles; ++kt, ++it) {
         const unsigned bar = acquire(Lay::stage_bytes), stage = stage_of(it);
         tma_load_2d(stage, &x_map, kt * kBK, m0, bar);
         tma_load_2d(stage + Lay::a_bytes, &w_map, kt * kBK, n0, bar);
-        tma_load_2d(stage + Lay::a_bytes + Lay::w_bytes, &v_map, kt * kBK, 0, bar);
+        if constexpr (!PIN) tma_load_2d(stage + Lay::a_bytes + Lay::w_bytes, &v_map, kt * kBK, 0, bar);
       }
       const unsigned bar = acquire(Lay::w_bytes);  // U's rows for the tile go where W's were
       tma_load_2d(stage_of(it) + Lay::a_bytes, &u_map, 0, n0, bar);
@@ -117,22 +129,27 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane == 0) mbarrier_arrive(empty_bar + 8 * (use % kStages));
   };
   for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
-    const int m0 = (tile / p.n_tiles) * kBM, n_tile = tile % p.n_tiles, n0 = n_tile * kBN;
-    // The codes for this tile's P, loaded now so that their latency hides behind the K loop.
-    float code[RN / 2];
+    const int m0 = (tile / p.n_tiles) * kBM, n_tile = tile % p.n_tiles, n0 = n_tile * BN;
+    // The codes for this tile's P (or s P ⊙ codes itself where it comes in ready), loaded now so that
+    // their latency hides behind the K loop.
+    const T* given = static_cast<const T*>(PIN ? p.Pc : p.codes);
+    float factor[RN / 2];  // codes, or s P ⊙ codes itself
 #pragma unroll
     for (int i = 0; i < RN / 2; ++i) {
       const int row = m0 + wg * 64 + wrow + g + 8 * ((i / 2) % 2), col = 8 * (i / 4) + 2 * c + i % 2;
-      code[i] = codes == nullptr ? 1.f : (row < M && col < r ? to_acc(codes[(size_t)row * r + col]) : 0.f);
+      factor[i] = given == nullptr ? 1.f : (row < M && col < r ? to_acc(given[(size_t)row * r + col]) : 0.f);
     }
-    // Y columns 0-127 and 128-255 of the tile; acc1 also holds P = X V (V^T's rows follow W's in the
-    // stage, so one wgmma with N = 128 + RN covers both): one read of the X tile per step instead of two.
-    float acc0[64], acc1[64 + RN / 2];
+    // Y columns 0-127 (256-column tiles only) and the tile's last 128 columns; acc1 also holds P = X V
+    // (V^T's rows follow W's in the stage, so one wgmma with N = 128 + RN covers both): one read of the
+    // X tile per step instead of two.
+    constexpr int kFirst = BN == 256 ? 64 : 1;  // acc0 is not used in 128-column tiles
+    constexpr unsigned kLast = (BN - 128) * 128;  // byte offset of the last 128 rows of W (or U) in a stage
+    float acc0[kFirst], acc1[64 + PN / 2];
     float (&acc1_y)[64] = *reinterpret_cast<float(*)[64]>(acc1);
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc0[i] = 0.f;
+    for (int i = 0; i < kFirst; ++i) acc0[i] = 0.f;
 #pragma unroll
-    for (int i = 0; i < 64 + RN / 2; ++i) acc1[i] = 0.f;
+    for (int i = 0; i < 64 + PN / 2; ++i) acc1[i] = 0.f;
 
     for (int kt = 0; kt < k_tiles; ++kt, ++it) {
       wait_full(it);
@@ -142,8 +159,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int ks = 0; ks < kBK / 16; ++ks) {  // k16 step ks starts 32 bytes into each swizzled row
         const uint64_t da = wgmma_desc_sw128(a_base + wg * 64 * 128 + ks * 32);
-        Wgmma<T, 128>::ss(acc0, da, wgmma_desc_sw128(w_base + ks * 32));
-        Wgmma<T, 128 + RN>::ss(acc1, da, wgmma_desc_sw128(w_base + 128 * 128 + ks * 32));
+        if constexpr (BN == 256) Wgmma<T, 128>::ss(acc0, da, wgmma_desc_sw128(w_base + ks * 32));
+        Wgmma<T, 128 + PN>::ss(acc1, da, wgmma_desc_sw128(w_base + kLast + ks * 32));
       }
       wgmma_commit();
       // Step kt - 1's wgmma are done once at most this step's are pending: its stage goes back.
@@ -160,9 +177,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < RP / 2; ++i) {
       const int row = m0 + wg * 64 + wrow + g + 8 * ((i / 2) % 2), col = 8 * (i / 4) + 2 * c + i % 2;
       const bool live = i < RN / 2 && row < M && col < r;
-      const float v = i < RN / 2 ? acc1[64 + (i < RN / 2 ? i : 0)] : 0.f;
-      if (live && p.P != nullptr && n_tile == 0) p.P[(size_t)row * r + col] = v;
-      pc[i] = live ? p.scale * v * code[i < RN / 2 ? i : 0] : 0.f;
+      if constexpr (PIN) {
+        pc[i] = live ? factor[i < RN / 2 ? i : 0] : 0.f;
+      } else {
+        const float v = i < RN / 2 ? acc1[64 + (i < RN / 2 ? i : 0)] : 0.f;
+        if (live && p.P != nullptr && n_tile == 0) p.P[(size_t)row * r + col] = v;
+        pc[i] = live ? p.scale * v * factor[i < RN / 2 ? i : 0] : 0.f;
+      }
     }
     wait_full(it);
     const unsigned u_base = stage_of(it) + Lay::a_bytes;
@@ -172,8 +193,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       uint32_t a[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) a[k] = pack2(from_acc<T>(pc[8 * q + 2 * k]), from_acc<T>(pc[8 * q + 2 * k + 1]));
-      Wgmma<T, 128>::rs(acc0, a, wgmma_desc_sw128(u_base + q * 32));
-      Wgmma<T, 128>::rs(acc1_y, a, wgmma_desc_sw128(u_base + 128 * 128 + q * 32));
+      if constexpr (BN == 256) Wgmma<T, 128>::rs(acc0, a, wgmma_desc_sw128(u_base + q * 32));
+      Wgmma<T, 128>::rs(acc1_y, a, wgmma_desc_sw128(u_base + kLast + q * 32));
     }
     wgmma_commit();
     wgmma_wait<0>();
@@ -215,8 +236,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (row < M && col < N) *reinterpret_cast<uint4*>(Y + (size_t)row * N + col) = out;
         }
     };
-    store(acc0, n0);
-    store(acc1_y, n0 + 128);
+    if constexpr (BN == 256) store(*reinterpret_cast<float(*)[64]>(acc0), n0);
+    store(acc1_y, n0 + BN - 128);
   }
 #endif
 }
@@ -230,24 +251,32 @@ __global__ void gemm_update_probe_kernel(int* out) {
 #endif
 }
 
-template <typename T, int RN>
-cudaError_t launch_for_rank(const GemmUpdateArgs& a, cudaStream_t stream) {
-  constexpr auto kernel = gemm_update_kernel<T, RN>;
-  constexpr int bytes = GemmLayout<RN>::total_bytes;
+template <typename T, int RN, int BN, bool PIN>
+cudaError_t launch_for_tile(const GemmUpdateArgs& a, cudaStream_t stream) {
+  constexpr auto kernel = gemm_update_kernel<T, RN, BN, PIN>;
+  constexpr int bytes = GemmLayout<RN, BN, PIN>::total_bytes;
   cudaError_t err = raise_smem_limit<kernel>(bytes);
   if (err != cudaSuccess) return err;
   constexpr bool bf16 = std::is_same<T, __nv_bfloat16>::value;
-  CUtensorMap x_map, w_map, v_map, u_map;
+  CUtensorMap x_map, w_map, v_map{}, u_map;
   if ((err = encode_map(&x_map, a.X, a.M, a.K, kBM, bf16)) != cudaSuccess) return err;
-  if ((err = encode_map(&w_map, a.W, a.N, a.K, kBN, bf16)) != cudaSuccess) return err;
-  if ((err = encode_map(&v_map, a.Vt, a.r, a.K, RN, bf16)) != cudaSuccess) return err;
-  if ((err = encode_map(&u_map, a.U, a.N, a.r, kBN, bf16)) != cudaSuccess) return err;
-  GemmUpdateParams p{a.bias, a.codes, a.Y, a.P, a.M, a.N, a.K, a.r, 0, 0, a.scale};
-  p.n_tiles = (a.N + kBN - 1) / kBN;
-  p.tiles = (int)gemm_update_tiles(a.M, a.N);  // below 2^31: gemm_update_fits
+  if ((err = encode_map(&w_map, a.W, a.N, a.K, BN, bf16)) != cudaSuccess) return err;
+  if (!PIN && (err = encode_map(&v_map, a.Vt, a.r, a.K, RN, bf16)) != cudaSuccess) return err;
+  if ((err = encode_map(&u_map, a.U, a.N, a.r, BN, bf16)) != cudaSuccess) return err;
+  GemmUpdateParams p{a.bias, a.codes, a.Pc, a.Y, a.P, a.M, a.N, a.K, a.r, 0, 0, a.scale};
+  p.n_tiles = (a.N + BN - 1) / BN;
+  p.tiles = (int)gemm_update_tiles(a.M, a.N, BN);  // below 2^31: gemm_update_fits
   const int blocks = p.tiles < a.num_sms ? p.tiles : a.num_sms;
   kernel<<<blocks, kThreads, bytes, stream>>>(x_map, w_map, v_map, u_map, p);
   return cudaGetLastError();
+}
+
+template <typename T, int RN>
+cudaError_t launch_for_rank(const GemmUpdateArgs& a, cudaStream_t stream) {
+  const int tile_n = a.tile_n != 0 ? a.tile_n : gemm_update_tile_n(a.M, a.N, a.num_sms);
+  if (a.Pc != nullptr)
+    return tile_n == 128 ? launch_for_tile<T, RN, 128, true>(a, stream) : launch_for_tile<T, RN, 256, true>(a, stream);
+  return tile_n == 128 ? launch_for_tile<T, RN, 128, false>(a, stream) : launch_for_tile<T, RN, 256, false>(a, stream);
 }
 
 }  // namespace
@@ -287,13 +316,21 @@ cudaError_t gemm_update_supported(int device, cudaStream_t stream, bool* support
   return cudaSuccess;
 }
 
-long long gemm_update_tiles(int M, int N) { return (long long)((M + kBM - 1) / kBM) * ((N + kBN - 1) / kBN); }
+long long gemm_update_tiles(int M, int N, int tile_n) {
+  return (long long)((M + kBM - 1) / kBM) * ((N + tile_n - 1) / tile_n);
+}
+
+int gemm_update_tile_n(int M, int N, int num_sms) {
+  return 2 * gemm_update_tiles(M, N, 256) >= num_sms ? 256 : 128;
+}
 
 bool gemm_update_fits(const GemmUpdateArgs& a) {
-  const long long tiles = gemm_update_tiles(a.M, a.N);
-  return a.M > 0 && a.K > 0 && a.K % 8 == 0 && a.N % 8 == 0 && a.r >= 1 && a.r % 8 == 0 &&
-         a.r <= kGemmUpdateMaxRank && aligned16(a.X) && aligned16(a.W) && aligned16(a.Vt) && aligned16(a.U) &&
-         aligned16(a.Y) && reinterpret_cast<uintptr_t>(a.bias) % 4 == 0 && tiles < INT32_MAX && a.num_sms > 0;
+  const long long tiles = gemm_update_tiles(a.M, a.N, 128);
+  return (a.tile_n == 0 || a.tile_n == 128 || a.tile_n == 256) && a.M > 0 && a.K > 0 && a.K % 8 == 0 &&
+         a.N % 8 == 0 && a.r >= 1 && a.r % 8 == 0 && a.r <= kGemmUpdateMaxRank && aligned16(a.X) &&
+         aligned16(a.W) && (a.Pc != nullptr || (a.Vt != nullptr && aligned16(a.Vt))) && aligned16(a.U) &&
+         aligned16(a.Y) &&
+         reinterpret_cast<uintptr_t>(a.bias) % 4 == 0 && tiles < INT32_MAX && a.num_sms > 0;
 }
 
 cudaError_t launch_gemm_update(DType dtype, const GemmUpdateArgs& a, cudaStream_t stream) {

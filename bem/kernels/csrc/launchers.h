@@ -155,16 +155,20 @@ struct GemmUpdateArgs {
   const void* bias;
   const void* Vt;
   const void* codes;
+  const void* Pc;  // s (X V) ⊙ codes (M x r) computed beforehand, or null: then Vt and codes give it
   const void* U;
   void* Y;
   float* P;
   int M, N, K, r;
   int num_sms;  // the persistent kernel's grid
+  int tile_n;   // the tiles' columns: 128, 256, or 0 (gemm_update_tile_n)
   float scale;
 };
 constexpr int kGemmUpdateMaxRank = 64;
 bool gemm_update_fits(const GemmUpdateArgs& args);
-long long gemm_update_tiles(int M, int N);  // the kernel's output tiles
+long long gemm_update_tiles(int M, int N, int tile_n);  // the kernel's output tiles of 128 x tile_n
+// 256-column tiles where there are at least half as many as multiprocessors, else 128.
+int gemm_update_tile_n(int M, int N, int num_sms);
 cudaError_t gemm_update_supported(int device, cudaStream_t stream, bool* supported);
 cudaError_t launch_gemm_update(DType dtype, const GemmUpdateArgs& args, cudaStream_t stream);
 
