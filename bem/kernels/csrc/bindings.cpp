@@ -1,5 +1,6 @@
 // Torch bindings of the BEM kernels: the forward's choice between the decode kernels and the GEMM +
-// update paths, and allocation; the module bem._C (the backward's own ops are in backward_ops.cpp).
+// update paths, and allocation; the module bem._C (the backward's own ops are in backward_ops.cpp, the
+// GEMM with the update inside in gemm_update_ops.cpp).
 #include <torch/extension.h>
 
 #include <c10/cuda/CUDAException.h>
@@ -7,11 +8,13 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <cstdint>
-#include <mutex>
 #include <vector>
 
 #include "backward_ops.h"
+#include "device_info.h"
+#include "gemm_update_ops.h"
 #include "launchers.h"
+#include "projection.h"
 #include "torch_checks.h"
 
 namespace bem {
@@ -35,22 +38,6 @@ constexpr LinearMode kPrefillMode = kUpdateThenGemm;
 // F.linear: 2.52x against 2.19x at 32 tokens, 3.60x against 1.87x at 64; 4096 x 14336: 3.46x against
 // 1.37x at 64 tokens (docs/kernels.md). Modes 1 and 5 can still be asked for up to kDecodeMaxTokens.
 constexpr int64_t kDecodeAutoMaxTokens = 16;
-
-// A device attribute, read once per device (decode calls are host-bound: no driver query per call).
-int device_attribute(cudaDeviceAttr attribute, int device) {
-  static std::mutex lock;
-  static std::vector<std::pair<int, int>> cache;  // (multiprocessors, compute capability major)
-  std::lock_guard<std::mutex> guard(lock);
-  if (device >= (int)cache.size()) cache.resize(device + 1, {0, 0});
-  if (cache[device].first == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&cache[device].first, cudaDevAttrMultiProcessorCount, device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&cache[device].second, cudaDevAttrComputeCapabilityMajor, device));
-  }
-  return attribute == cudaDevAttrMultiProcessorCount ? cache[device].first : cache[device].second;
-}
-
-int num_sms(int device) { return device_attribute(cudaDevAttrMultiProcessorCount, device); }
-int cc_major(int device) { return device_attribute(cudaDevAttrComputeCapabilityMajor, device); }
 
 // Which kernel computes the generated update (update_forward's `kernel` argument; 0 picks by shape).
 enum UpdateKernel : int64_t {
@@ -91,14 +78,6 @@ bool tma_suits(const LowRankArgs& args) {
   return args.r <= kTmaMaxRank && (fills_gpu || wide);
 }
 
-// Whether this build has its sm_90a kernels (the GEMM with the update inside, the TMA update kernel)
-// for the device: sm_90a code on a compute capability 9.0 GPU.
-bool sm90a_runs(int device) {
-  bool supported = false;
-  C10_CUDA_CHECK(gemm_update_supported(device, stream_now(), &supported));
-  return supported;
-}
-
 // Whether the TMA update kernel runs: asked for, or by shape (measured, docs/kernels.md). A call that
 // asks for it where it cannot run is refused.
 bool tma_takes(const LowRankArgs& args, bool tensor_core, int64_t kernel, int device) {
@@ -136,20 +115,6 @@ bool gemms_take(const LowRankArgs& args, bool tensor_core, int64_t kernel) {
   if (!tensor_core || !args.expand) return false;
   return kernel == kUpdateGemms ||
          (kernel == kUpdateAuto && args.M >= kStreamMinRows && args.r >= kGemmsMinRank);
-}
-
-// A B with fp32 output: cuBLAS accumulates fp16/bf16 products in fp32 and keeps them unrounded.
-Tensor project_gemm(const Tensor& A, const Tensor& B) {
-  return tensor_core_dtype(A) ? at::mm(A, B, at::kFloat) : at::mm(A, B).to(p_dtype(A));
-}
-
-// P = A B from cuBLAS (fp32) and Pc = s P ⊙ codes rounded to A's dtype.
-std::pair<Tensor, Tensor> scaled_projection(const Tensor& A, const Tensor& B, const OptTensor& codes, double scale) {
-  Tensor P = project_gemm(A, B);
-  Tensor Pc = at::empty(P.sizes(), A.options());
-  C10_CUDA_CHECK(launch_scale_codes(dtype_of(A), P.data_ptr<float>(), codes.has_value() ? codes->data_ptr() : nullptr,
-                                    Pc.data_ptr(), P.numel(), (float)scale, stream_now()));
-  return {P, Pc};
 }
 
 // Y (=|+=) s (P ⊙ codes) U^T (+ bias) with P = A B from cuBLAS; returns P.
@@ -271,61 +236,6 @@ Tensor base_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias)
   return bias.has_value() ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t());
 }
 
-// Where the GEMM with the update inside measured faster than cuBLAS with a separate update (linear mode
-// 3), on an H200 (docs/kernels.md), x F.linear at M = 16384 (M = 4096 alike): K x N up to 4096 x 4096 at
-// r = 8 (4096²: 1.09x against 1.13x; 2048²: 1.12x against 1.24x), up to 2048 x 2048 at r <= 32 (2048²:
-// 1.19x against 1.26x; 3072 x 768: 1.19x against 1.40x; 768²: 1.26x against 1.80x) and 768 x 768 at r <= 64
-// (1.52x against 1.84x), once there are at least half as many 128 x 256 tiles as multiprocessors (768² at
-// M = 1024, 24 tiles: 2.61x against 2.25x). Beyond those its extra P columns cost more than the separate
-// update (4096² at r = 32: 1.19x against 1.14x; 2048² at r = 64: 1.38x against 1.25x).
-int64_t gemm_update_max_kn(int64_t r) {
-  if (r <= 8) return 4096 * 4096;
-  if (r <= 32) return 2048 * 2048;
-  return 768 * 768;
-}
-
-// Whether the GEMM with the update inside takes these operands as they are (gemm_update_fits on the
-// tensors, before anything is allocated).
-bool gemm_update_takes(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& V,
-                       const Tensor& U) {
-  const int64_t K = x.size(1), N = U.size(0), r = V.size(1);
-  return tensor_core_dtype(x) && K % 8 == 0 && N % 8 == 0 && r % 8 == 0 && r <= kGemmUpdateMaxRank &&
-         weight.is_contiguous() && aligned16(x.data_ptr()) && aligned16(weight.data_ptr()) &&
-         aligned16(U.data_ptr()) && (!bias.has_value() || reinterpret_cast<uintptr_t>(bias->data_ptr()) % 4 == 0);
-}
-
-// The default dispatch's choice: takes the call, K x N within the measured limit for the rank, enough tiles.
-bool gemm_update_suits(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& V,
-                       const Tensor& U) {
-  const int64_t M = x.size(0), K = x.size(1), N = U.size(0), r = V.size(1);
-  return K * N <= gemm_update_max_kn(r) && gemm_update_takes(x, weight, bias, V, U) &&
-         gemm_update_tile_n((int)M, (int)N, num_sms(x.get_device())) == 256 && sm90a_runs(x.get_device());
-}
-
-// Vt (with codes, and P to write) where the GEMM computes P itself, else Pc = s P ⊙ codes computed before.
-GemmUpdateArgs gemm_update_args(const Tensor& x, const Tensor& weight, const Tensor* bias, const Tensor* Vt,
-                                const OptTensor& codes, const Tensor* Pc, const Tensor& U, Tensor& Y,
-                                const Tensor& P, double scale, int64_t tile_n) {
-  GemmUpdateArgs args{};
-  args.X = x.data_ptr();
-  args.W = weight.data_ptr();
-  args.bias = bias ? bias->data_ptr() : nullptr;
-  args.Vt = Vt ? Vt->data_ptr() : nullptr;
-  args.codes = codes.has_value() ? codes->data_ptr() : nullptr;
-  args.Pc = Pc ? Pc->data_ptr() : nullptr;
-  args.U = U.data_ptr();
-  args.Y = Y.data_ptr();
-  args.P = P.defined() ? P.data_ptr<float>() : nullptr;
-  args.M = (int)x.size(0);
-  args.N = (int)U.size(0);
-  args.K = (int)x.size(1);
-  args.r = (int)U.size(1);
-  args.num_sms = num_sms(x.get_device());
-  args.tile_n = (int)tile_n;
-  args.scale = (float)scale;
-  return args;
-}
-
 // V_t: V^T (r x K, contiguous) when the caller keeps one (a module at inference): the TMA update kernel
 // and the GEMM with the update inside read V^T, and without it each call makes a copy, one more launch.
 std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& V,
@@ -398,26 +308,8 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
     return {Y, P};
   }
   if (mode == kGemmUpdate || mode == kGemmUpdateProjected) {
-    BEM_CHECK(sm90a_runs(x.get_device()), "the fused GEMM needs a compute capability 9.0 GPU and the ",
-              "extension built for sm_90a (TORCH_CUDA_ARCH_LIST=9.0a)");
-    BEM_CHECK(gemm_update_takes(x, weight, bias, V, U),
-              "the fused GEMM takes a row-major weight, K, N and the rank multiples of 8, rank up to ",
-              kGemmUpdateMaxRank, " and 16-byte aligned x, weight and U; got x ", x.sizes(), ", weight ",
-              weight.sizes(), " strides ", weight.strides(), ", rank ", r);
-    Tensor Y = at::empty({M, N}, x.options());
-    if (mode == kGemmUpdateProjected) {
-      auto [P, Pc] = scaled_projection(x, V, codes, scale);
-      const GemmUpdateArgs args =
-          gemm_update_args(x, weight, bias_ptr, nullptr, c10::nullopt, &Pc, U, Y, Tensor(), scale, gemm_tile_n);
-      C10_CUDA_CHECK(launch_gemm_update(dtype_of(x), args, stream_now()));
-      return {Y, need_p ? P : Tensor()};
-    }
-    Tensor P = need_p ? at::empty({M, r}, x.options().dtype(at::kFloat)) : Tensor();
-    const Tensor Vt = Vt_given ? *Vt_given : V.t().contiguous();  // r x K: K-major, like x and the weight
-    const GemmUpdateArgs args =
-        gemm_update_args(x, weight, bias_ptr, &Vt, codes, nullptr, U, Y, P, scale, gemm_tile_n);
-    C10_CUDA_CHECK(launch_gemm_update(dtype_of(x), args, stream_now()));
-    return {Y, P};
+    return gemm_update_linear(x, weight, bias, V, codes, U, scale, mode == kGemmUpdateProjected, need_p, Vt_given,
+                              gemm_tile_n);
   }
   if (mode == kGemmThenUpdate) {
     Tensor Y = base_linear(x, weight, bias);

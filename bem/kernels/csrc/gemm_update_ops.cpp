@@ -1,0 +1,96 @@
+// The torch side of the GEMM with the update inside: the measured limits of the default dispatch, the
+// checks, and the launch (see gemm_update_ops.h).
+#include "gemm_update_ops.h"
+
+#include <c10/cuda/CUDAException.h>
+
+#include "device_info.h"
+#include "launchers.h"
+#include "projection.h"
+#include "torch_checks.h"
+
+namespace bem {
+namespace {
+
+// Where the GEMM with the update inside measured faster than cuBLAS with a separate update (linear mode
+// 3), on an H200 (docs/kernels.md), x F.linear at M = 16384 (M = 4096 alike): K x N up to 4096 x 4096 at
+// r = 8 (4096²: 1.09x against 1.13x; 2048²: 1.12x against 1.24x), up to 2048 x 2048 at r <= 32 (2048²:
+// 1.19x against 1.26x; 3072 x 768: 1.19x against 1.40x; 768²: 1.26x against 1.80x) and 768 x 768 at r <= 64
+// (1.52x against 1.84x), once there are at least half as many 128 x 256 tiles as multiprocessors (768² at
+// M = 1024, 24 tiles: 2.61x against 2.25x). Beyond those its extra P columns cost more than the separate
+// update (4096² at r = 32: 1.19x against 1.14x; 2048² at r = 64: 1.38x against 1.25x).
+int64_t gemm_update_max_kn(int64_t r) {
+  if (r <= 8) return 4096 * 4096;
+  if (r <= 32) return 2048 * 2048;
+  return 768 * 768;
+}
+
+// Whether the kernel takes these operands as they are (gemm_update_fits on the tensors, before anything
+// is allocated).
+bool gemm_update_takes(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& V,
+                       const Tensor& U) {
+  const int64_t K = x.size(1), N = U.size(0), r = V.size(1);
+  return tensor_core_dtype(x) && K % 8 == 0 && N % 8 == 0 && r % 8 == 0 && r <= kGemmUpdateMaxRank &&
+         weight.is_contiguous() && aligned16(x.data_ptr()) && aligned16(weight.data_ptr()) &&
+         aligned16(U.data_ptr()) && (!bias.has_value() || reinterpret_cast<uintptr_t>(bias->data_ptr()) % 4 == 0);
+}
+
+// Vt (with codes, and P to write) where the GEMM computes P itself, else Pc = s P ⊙ codes computed before.
+GemmUpdateArgs gemm_update_args(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor* Vt,
+                                const OptTensor& codes, const Tensor* Pc, const Tensor& U, Tensor& Y,
+                                const Tensor& P, double scale, int64_t tile_n) {
+  GemmUpdateArgs args{};
+  args.X = x.data_ptr();
+  args.W = weight.data_ptr();
+  args.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  args.Vt = Vt ? Vt->data_ptr() : nullptr;
+  args.codes = codes.has_value() ? codes->data_ptr() : nullptr;
+  args.Pc = Pc ? Pc->data_ptr() : nullptr;
+  args.U = U.data_ptr();
+  args.Y = Y.data_ptr();
+  args.P = P.defined() ? P.data_ptr<float>() : nullptr;
+  args.M = (int)x.size(0);
+  args.N = (int)U.size(0);
+  args.K = (int)x.size(1);
+  args.r = (int)U.size(1);
+  args.num_sms = num_sms(x.get_device());
+  args.tile_n = (int)tile_n;
+  args.scale = (float)scale;
+  return args;
+}
+
+}  // namespace
+
+bool gemm_update_suits(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& V,
+                       const Tensor& U) {
+  const int64_t M = x.size(0), K = x.size(1), N = U.size(0), r = V.size(1);
+  return K * N <= gemm_update_max_kn(r) && gemm_update_takes(x, weight, bias, V, U) &&
+         gemm_update_tile_n((int)M, (int)N, num_sms(x.get_device())) == 256 && sm90a_runs(x.get_device());
+}
+
+std::tuple<Tensor, Tensor> gemm_update_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias,
+                                              const Tensor& V, const OptTensor& codes, const Tensor& U, double scale,
+                                              bool projected, bool need_p, const Tensor* Vt, int64_t tile_n) {
+  BEM_CHECK(sm90a_runs(x.get_device()), "the fused GEMM needs a compute capability 9.0 GPU and the ",
+            "extension built for sm_90a (TORCH_CUDA_ARCH_LIST=9.0a)");
+  BEM_CHECK(gemm_update_takes(x, weight, bias, V, U),
+            "the fused GEMM takes a row-major weight, K, N and the rank multiples of 8, rank up to ",
+            kGemmUpdateMaxRank, " and 16-byte aligned x, weight and U; got x ", x.sizes(), ", weight ",
+            weight.sizes(), " strides ", weight.strides(), ", rank ", V.size(1));
+  const int64_t M = x.size(0), N = U.size(0), r = V.size(1);
+  Tensor Y = at::empty({M, N}, x.options());
+  if (projected) {
+    auto [P, Pc] = scaled_projection(x, V, codes, scale);
+    const GemmUpdateArgs args =
+        gemm_update_args(x, weight, bias, nullptr, c10::nullopt, &Pc, U, Y, Tensor(), scale, tile_n);
+    C10_CUDA_CHECK(launch_gemm_update(dtype_of(x), args, stream_now()));
+    return {Y, need_p ? P : Tensor()};
+  }
+  Tensor P = need_p ? at::empty({M, r}, x.options().dtype(at::kFloat)) : Tensor();
+  const Tensor Vt_used = Vt ? *Vt : V.t().contiguous();  // r x K: K-major, like x and the weight
+  const GemmUpdateArgs args = gemm_update_args(x, weight, bias, &Vt_used, codes, nullptr, U, Y, P, scale, tile_n);
+  C10_CUDA_CHECK(launch_gemm_update(dtype_of(x), args, stream_now()));
+  return {Y, P};
+}
+
+}  // namespace bem

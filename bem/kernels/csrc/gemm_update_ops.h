@@ -1,0 +1,27 @@
+// The BEM linear as one GEMM with the update inside (gemm_update.cu): when the default dispatch picks it,
+// and the call itself (linear modes 6 and 7 of linear_forward).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <tuple>
+
+namespace bem {
+
+// Whether the default dispatch runs the GEMM with the update inside: it takes the operands, K x N is
+// within the limit measured for the rank, and the shape gets the 128 x 256 tiles (x: (M, K), 2-D).
+bool gemm_update_suits(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                       const at::Tensor& V, const at::Tensor& U);
+
+// (Y, P) with Y = x W^T + b + s ((x V) ⊙ codes) U^T from one GEMM; P = x V (float32) when need_p.
+// projected: cuBLAS computes P first and the GEMM adds (s P ⊙ codes) U^T (mode 7); otherwise the GEMM
+// computes P itself from V^T (Vt, r x K contiguous, or a copy made here when null; mode 6).
+// tile_n: the tiles' columns, 128 or 256, or 0 to choose by shape. Refuses what it cannot take.
+std::tuple<at::Tensor, at::Tensor> gemm_update_linear(const at::Tensor& x, const at::Tensor& weight,
+                                                      const c10::optional<at::Tensor>& bias, const at::Tensor& V,
+                                                      const c10::optional<at::Tensor>& codes, const at::Tensor& U,
+                                                      double scale, bool projected, bool need_p,
+                                                      const at::Tensor* Vt, int64_t tile_n);
+
+}  // namespace bem
