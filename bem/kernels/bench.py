@@ -118,11 +118,12 @@ def _forward_variants(sets: list[dict], s: float, M: int) -> dict[str, Callable[
             pick(i)["U"].detach(), s),
     }
     modes = {1: "fused decode (stream)", 5: "fused decode (tiles)", 2: "fused gemm+update",
-             3: "fused update+gemm", 4: "fused gemm+addmm", 6: "fused update in gemm"}
+             3: "fused update+gemm", 4: "fused gemm+addmm", 6: "fused update in gemm",
+             7: "fused update in gemm (xV given)"}
     for mode, name in modes.items():
         if mode in (1, 5) and M > custom_ops.decode_max_tokens():
             continue
-        if mode == 6 and (M <= custom_ops.decode_max_tokens() or not custom_ops._C.fused_gemm_available()):
+        if mode in (6, 7) and (M <= custom_ops.decode_max_tokens() or not custom_ops._C.fused_gemm_available()):
             continue
         variants[name] = (lambda mode: lambda i: custom_ops._C.linear_forward(
             pick(i)["x"], pick(i)["W"], pick(i)["b"], pick(i)["V"].detach(), pick(i)["c"].detach(),
