@@ -48,6 +48,8 @@ class HierarchicalBEMConfig:
     attach_qkv: bool = False
     target_modules: Optional[Union[list[str], str]] = None
     token_routing_modules: Optional[Union[list[str], str]] = None
+    # other modules trained (as a copy) and saved with the adapter, as PEFT's: a classification head
+    modules_to_save: Optional[list[str]] = None
     # execution
     use_fused_kernels: bool = True
     # provenance, filled in when saving
@@ -88,6 +90,11 @@ class HierarchicalBEMConfig:
             raise ValueError(f"side_signal_dim must be a positive integer or null, got {self.side_signal_dim!r}")
         for name in ("target_modules", "token_routing_modules"):
             self._validate_module_selector(name, getattr(self, name))
+        saved = self.modules_to_save
+        if saved is not None and not (
+            isinstance(saved, (list, tuple)) and saved and all(isinstance(v, str) and v for v in saved)
+        ):
+            raise ValueError(f"modules_to_save must be a non-empty list of module names, got {saved!r}")
         if self.target_modules is None and not (self.attach_mlp or self.attach_attention or self.attach_qkv):
             raise ValueError(
                 "attach_mlp, attach_attention and attach_qkv are all false and target_modules is empty: "
@@ -119,7 +126,7 @@ class HierarchicalBEMConfig:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        for name in ("target_modules", "token_routing_modules"):
+        for name in ("target_modules", "token_routing_modules", "modules_to_save"):
             if isinstance(data[name], tuple):
                 data[name] = list(data[name])
         return data

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
+_PREFIX = "base_model.model."
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
 
 
@@ -30,8 +31,7 @@ def _read_peft_config(directory: Path) -> dict[str, Any]:
     config = json.loads(path.read_text())
     if config.get("peft_type") != "LORA":
         raise ValueError(f"{path} describes a {config.get('peft_type')!r} adapter; only LORA can become a BEM")
-    for field, neutral in (("use_dora", False), ("rank_pattern", {}), ("alpha_pattern", {}),
-                           ("modules_to_save", None)):
+    for field, neutral in (("use_dora", False), ("rank_pattern", {}), ("alpha_pattern", {})):
         if config.get(field) not in (neutral, None, [], {}):
             raise ValueError(f"PEFT LoRA adapters with {field}={config[field]!r} cannot be represented by BEM")
     return config
@@ -51,11 +51,15 @@ def bem_from_peft_lora(base_model: nn.Module, directory: Path, enable_routing: b
         )
     tensors = load_file(str(weights_path))
     pairs: dict[str, dict[str, torch.Tensor]] = {}
+    others: dict[str, torch.Tensor] = {}  # the modules_to_save's weights, by their name under the model
     for key, value in tensors.items():
         match = _KEY.match(key)
-        if match is None:
+        if match is not None:
+            pairs.setdefault(match["module"], {})[match["which"]] = value
+        elif peft_config.get("modules_to_save") and key.startswith(_PREFIX):
+            others[key[len(_PREFIX):]] = value
+        else:
             raise ValueError(f"unexpected tensor '{key}' in {weights_path}: not a LoRA A or B weight")
-        pairs.setdefault(match["module"], {})[match["which"]] = value
     incomplete = [m for m, p in pairs.items() if set(p) != {"A", "B"}]
     if incomplete:
         raise ValueError(f"LoRA weights in {weights_path} lack A or B for modules {incomplete[:5]}")
@@ -66,6 +70,7 @@ def bem_from_peft_lora(base_model: nn.Module, directory: Path, enable_routing: b
     alpha = lora_alpha * math.sqrt(rank) if peft_config.get("use_rslora") else lora_alpha
     fields = {"rank": rank, "alpha": alpha, "dropout": float(peft_config.get("lora_dropout") or 0.0),
               "target_modules": sorted(pairs), "enable_routing": enable_routing,
+              "modules_to_save": peft_config.get("modules_to_save") or None,
               "base_model_name_or_path": peft_config.get("base_model_name_or_path")}
     fields.update(overrides)
     model = create_hierarchical_bem(base_model, HierarchicalBEMConfig(**fields))
@@ -79,10 +84,24 @@ def bem_from_peft_lora(base_model: nn.Module, directory: Path, enable_routing: b
                 )
             module.bem_V.copy_(lora_a.t())
             module.bem_U.copy_(lora_b)
+        _load_saved_modules(model, others, weights_path)
         if model.controller is not None and model.controller.gate is not None:
             # neutral routing: the gate starts at sigmoid(bias) for every token; cancel it in the static codes
             model.controller.static_codes.fill_(1.0 / torch.sigmoid(torch.tensor(GATE_INIT_BIAS)).item())
     return model
+
+
+def _load_saved_modules(model: "BEMModel", tensors: dict[str, torch.Tensor], weights_path: Path) -> None:
+    """Copy a PEFT adapter's modules_to_save weights (`<module>.<param>`) into BEM's trained copies."""
+    states: dict[str, dict[str, torch.Tensor]] = {name: {} for name in model.saved_module_names}
+    for key, value in tensors.items():
+        owner = next((name for name in states if key.startswith(name + ".")), None)
+        if owner is None:
+            raise ValueError(f"unexpected tensor '{_PREFIX}{key}' in {weights_path}: neither LoRA nor a module to save")
+        states[owner][key[len(owner) + 1:]] = value
+    for name, module in model.saved_modules():
+        if states[name]:
+            module.trained.load_state_dict(states[name])
 
 
 def save_as_peft_lora(model: "BEMModel", directory: Path) -> None:
@@ -97,8 +116,11 @@ def save_as_peft_lora(model: "BEMModel", directory: Path) -> None:
         type(model.base_model).__name__ == "GPT2LMHeadModel"
     tensors = {}
     for name, module in model.bem_modules():
-        tensors[f"base_model.model.{name}.lora_A.weight"] = module.bem_V.detach().t()
-        tensors[f"base_model.model.{name}.lora_B.weight"] = module.bem_U.detach()
+        tensors[f"{_PREFIX}{name}.lora_A.weight"] = module.bem_V.detach().t()
+        tensors[f"{_PREFIX}{name}.lora_B.weight"] = module.bem_U.detach()
+    for name, module in model.saved_modules():
+        for key, value in module.trained.state_dict().items():
+            tensors[f"{_PREFIX}{name}.{key}"] = value.detach()
     peft_config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM" if is_causal_lm else None,
@@ -112,6 +134,7 @@ def save_as_peft_lora(model: "BEMModel", directory: Path) -> None:
         "use_dora": False,
         "inference_mode": True,
         "init_lora_weights": True,
+        "modules_to_save": list(model.saved_module_names) or None,
         "base_model_name_or_path": config.base_model_name_or_path,
     }
     directory.mkdir(parents=True, exist_ok=True)

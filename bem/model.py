@@ -15,8 +15,9 @@ import torch.nn as nn
 from .config import HierarchicalBEMConfig
 from .modules.bem_linear import BEMLinear, RoutingContext
 from .modules.controller import HierarchicalController
+from .modules.trainable_copy import TrainableCopy
 from .routing_hooks import RoutingHooks
-from .targets import plan_targets
+from .targets import plan_targets, saved_module_names
 
 
 def _hidden_size(model: nn.Module) -> int:
@@ -54,6 +55,11 @@ def _routed_model(model: nn.Module, first_block: nn.Module) -> nn.Module:
     if isinstance(backbone, nn.Module) and any(m is first_block for m in backbone.modules()):
         return backbone
     return model
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
 
 def _forward_signature(base_model: nn.Module) -> Optional[inspect.Signature]:
@@ -106,6 +112,11 @@ class BEMModel(nn.Module):
             original = getattr(parent, child)
             setattr(parent, child, BEMLinear(original, config.rank, config.alpha, config.dropout, index, self.context,
                                              config.use_fused_kernels, name=name))
+        self.saved_module_names: list[str] = (
+            [] if config.modules_to_save is None else saved_module_names(base_model, config.modules_to_save, plan.names)
+        )
+        for name in self.saved_module_names:
+            _replace(base_model, name, TrainableCopy(base_model.get_submodule(name), self.context))
         if config.enable_routing:
             token_indices = [plan.names.index(n) for n in plan.token_routed]
             reference_weight = self.bem_modules()[0][1].base_layer.weight
@@ -200,8 +211,17 @@ class BEMModel(nn.Module):
     def bem_modules(self) -> list[tuple[str, BEMLinear]]:
         return [(name, self.base_model.get_submodule(name)) for name in self.bem_module_names]
 
+    def saved_modules(self) -> list[tuple[str, TrainableCopy]]:
+        return [(name, self.base_model.get_submodule(name)) for name in self.saved_module_names]
+
+    def adapter_parameters(self) -> list[nn.Parameter]:
+        """What trains: every module's V and U, the controller's and the saved modules' copies' parameters."""
+        params = [p for _, m in self.bem_modules() for p in (m.bem_V, m.bem_U)]
+        params += [] if self.controller is None else list(self.controller.parameters())
+        return params + [p for _, m in self.saved_modules() for p in m.trained.parameters()]
+
     def bem_state_dict(self) -> dict[str, torch.Tensor]:
-        """Adapter weights only: `modules.<name>.V|U` and `controller.<param>`."""
+        """Adapter weights only: `modules.<name>.V|U`, `controller.<param>` and `saved.<name>.<param>`."""
         state: dict[str, torch.Tensor] = {}
         for name, module in self.bem_modules():
             state[f"modules.{name}.V"] = module.bem_V.detach()
@@ -209,6 +229,9 @@ class BEMModel(nn.Module):
         if self.controller is not None:
             for key, value in self.controller.state_dict().items():
                 state[f"controller.{key}"] = value.detach()
+        for name, module in self.saved_modules():
+            for key, value in module.trained.state_dict().items():
+                state[f"saved.{name}.{key}"] = value.detach()
         return state
 
     def load_bem_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -236,6 +259,9 @@ class BEMModel(nn.Module):
                 self.controller.load_state_dict(
                     {k[len("controller."):]: v for k, v in state.items() if k.startswith("controller.")}
                 )
+            for name, module in self.saved_modules():
+                prefix = f"saved.{name}."
+                module.trained.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
 
     def get_nb_trainable_parameters(self) -> tuple[int, int]:
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
@@ -282,9 +308,9 @@ class BEMModel(nn.Module):
         save_as_peft_lora(self, Path(save_directory))
 
     def merge_and_unload(self) -> nn.Module:
-        """Fold each module's update into its frozen weight (W += s U V^T) and give back the bare base
-        model, as PEFT's `merge_and_unload`. Only a BEM with routing off has an update that does not
-        depend on the context."""
+        """Fold each module's update into its frozen weight (W += s U V^T), put the saved modules' trained
+        copies in place of their originals, and give back the bare base model, as PEFT's
+        `merge_and_unload`. Only a BEM with routing off has an update that does not depend on the context."""
         if self.controller is not None:
             raise ValueError(
                 "this BEM routes its codes per token, so its update depends on the context and cannot be folded "
@@ -296,15 +322,18 @@ class BEMModel(nn.Module):
             module.check_mergeable()
         for module in modules:
             module.merge_into_base()
-        return self.unload()
+        return self._remove_bem(keep_trained_copies=True)
 
     def unload(self) -> nn.Module:
-        """Remove every BEM module and hook and give back the bare base model."""
+        """Remove every BEM module and hook and give back the bare base model (saved modules' originals)."""
+        return self._remove_bem(keep_trained_copies=False)
+
+    def _remove_bem(self, keep_trained_copies: bool) -> nn.Module:
         self._hooks.remove()
         for name, module in self.bem_modules():
-            parent_name, _, child = name.rpartition(".")
-            parent = self.base_model.get_submodule(parent_name) if parent_name else self.base_model
-            setattr(parent, child, module.base_layer)
+            _replace(self.base_model, name, module.base_layer)
+        for name, saved in self.saved_modules():
+            _replace(self.base_model, name, saved.trained if keep_trained_copies else saved.original)
         return self.base_model
 
 

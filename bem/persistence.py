@@ -71,9 +71,8 @@ def load_adapter(base_model: nn.Module, directory: Path, is_trainable: bool = Fa
         raise
     model.requires_grad_(False)
     if is_trainable:
-        for name, param in model.named_parameters():
-            if ".bem_" in name or name.startswith("controller."):
-                param.requires_grad_(True)
+        for param in model.adapter_parameters():
+            param.requires_grad_(True)
     else:
         model.eval()
     return model

@@ -127,3 +127,20 @@ def plan_targets(model: nn.Module, config: HierarchicalBEMConfig) -> TargetPlan:
     else:
         token_routed = []
     return TargetPlan(names=names, token_routed=token_routed)
+
+
+def saved_module_names(model: nn.Module, modules_to_save: list[str], bem_targets: list[str]) -> list[str]:
+    """The modules `modules_to_save` names (suffix match, the outermost where they nest), or a ValueError:
+    none matched, or one holds a BEM target (its copy would not carry the target's BEM module)."""
+    names: list[str] = []
+    for name, _ in model.named_modules():
+        if name and _matches(name, list(modules_to_save)) and not any(name.startswith(n + ".") for n in names):
+            names.append(name)
+    if not names:
+        raise ValueError(f"modules_to_save {list(modules_to_save)} matched no module of this {type(model).__name__}")
+    for name in names:
+        inside = [t for t in bem_targets if t == name or t.startswith(name + ".")]
+        if inside:
+            raise ValueError(f"modules_to_save entry '{name}' holds BEM targets {inside[:3]}; save a module "
+                             f"outside them, or leave those out of target_modules")
+    return names
