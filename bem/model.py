@@ -6,6 +6,7 @@ import contextlib
 import inspect
 import re
 import types
+import warnings
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
@@ -55,6 +56,20 @@ def _routed_model(model: nn.Module, first_block: nn.Module) -> nn.Module:
     if isinstance(backbone, nn.Module) and any(m is first_block for m in backbone.modules()):
         return backbone
     return model
+
+
+_CLASSIFIER_MODELS = ("ForSequenceClassification", "ForTokenClassification")
+_HEAD_NAMES = ("classifier", "score")
+
+
+def _warn_on_frozen_heads(model: nn.Module, saved: list[str]) -> None:
+    """A classification model's head, usually freshly initialised, would stay frozen unless saved."""
+    if not type(model).__name__.endswith(_CLASSIFIER_MODELS):
+        return
+    heads = [name for name, _ in model.named_children() if name in _HEAD_NAMES and name not in saved]
+    if heads:
+        warnings.warn(f"{type(model).__name__}'s head {heads} stays frozen as loaded; set modules_to_save={heads} "
+                      f"to train it with BEM (PEFT's task_type does the same)", UserWarning, stacklevel=4)
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -107,16 +122,15 @@ class BEMModel(nn.Module):
             param.requires_grad_(False)
         self.bem_module_names: list[str] = plan.names
         for index, name in enumerate(plan.names):
-            parent_name, _, child = name.rpartition(".")
-            parent = base_model.get_submodule(parent_name) if parent_name else base_model
-            original = getattr(parent, child)
-            setattr(parent, child, BEMLinear(original, config.rank, config.alpha, config.dropout, index, self.context,
-                                             config.use_fused_kernels, name=name))
+            _replace(base_model, name, BEMLinear(base_model.get_submodule(name), config.rank, config.alpha,
+                                                 config.dropout, index, self.context, config.use_fused_kernels,
+                                                 name=name))
         self.saved_module_names: list[str] = (
             [] if config.modules_to_save is None else saved_module_names(base_model, config.modules_to_save, plan.names)
         )
         for name in self.saved_module_names:
             _replace(base_model, name, TrainableCopy(base_model.get_submodule(name), self.context))
+        _warn_on_frozen_heads(base_model, self.saved_module_names)
         if config.enable_routing:
             token_indices = [plan.names.index(n) for n in plan.token_routed]
             reference_weight = self.bem_modules()[0][1].base_layer.weight

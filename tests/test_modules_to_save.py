@@ -102,3 +102,11 @@ def test_modules_to_save_errors_name_the_problem(names, message):
 def test_modules_to_save_must_be_a_list_of_names(value):
     with pytest.raises(ValueError, match="modules_to_save must be a non-empty list of module names"):
         HierarchicalBEMConfig(modules_to_save=value)
+
+
+def test_a_classifier_without_its_head_saved_warns(recwarn):
+    with pytest.warns(UserWarning, match=r"head \['classifier'\] stays frozen.*modules_to_save=\['classifier'\]"):
+        create_hierarchical_bem(classifier_base(), HierarchicalBEMConfig(rank=4))
+    recwarn.clear()
+    create_hierarchical_bem(classifier_base(), HierarchicalBEMConfig(rank=4, modules_to_save=["classifier"]))
+    assert not [w for w in recwarn if "stays frozen" in str(w.message)]
