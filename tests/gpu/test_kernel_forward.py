@@ -337,13 +337,32 @@ def test_gemm_with_the_update_inside_is_the_default_where_it_measured_faster():
     4096² at r = 32."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for M, K, r, expected in ((128 * sms // 3 + 129, 768, 16, True), (1024, 768, 16, False),
-                              (128 * sms // 32 + 200, 4096, 8, True), (128 * sms // 32 + 200, 4096, 32, False)):
+                              (128 * sms // 32 + 200, 4096, 8, True), (2048, 4096, 32, False)):
         x, W, b, V, c, U = operands(M, K, K, r, torch.bfloat16, codes=True, seed=7)
         auto, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 0)
         fused, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 6)
         other, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 3)
         assert not torch.equal(fused, other)
         assert torch.equal(auto, fused if expected else other), f"M = {M}, K = N = {K}, r = {r}"
+
+
+@fused_gemm
+def test_gemm_given_the_projection_is_the_default_at_a_few_hundred_rows_from_rank_32():
+    """From 512 to 1023 rows at r >= 32, where mode 6 does not suit, the default is linear mode 7
+    (bit-equal, and within the float64 bound): 4096² at r = 32 and 64, 2048 x 8192 at r = 32; not at 511
+    or 1024 rows, nor at r = 16 (linear mode 3 there)."""
+    for M, K, N, r, expected in ((512, 4096, 4096, 32, 7), (1023, 4096, 4096, 64, 7), (700, 2048, 8192, 32, 7),
+                                 (511, 4096, 4096, 32, 3), (1024, 4096, 4096, 32, 3), (600, 4096, 4096, 16, 3)):
+        x, W, b, V, c, U = operands(M, K, N, r, torch.bfloat16, codes=True, seed=stable_seed(M, K, N, r))
+        auto, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 0)
+        chosen, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, expected)
+        other, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 3 if expected == 7 else 7)
+        assert not torch.equal(chosen, other)
+        assert torch.equal(auto, chosen), f"M = {M}, K = {K}, N = {N}, r = {r}"
+        if expected == 7:
+            ref = linear_ref64(x, W, b, V, c, U, 1.5)
+            assert rel_err(auto, ref) <= bound(rel_err(reference.bem_linear(x, W, b, V, c, U, 1.5), ref),
+                                               torch.bfloat16)
 
 
 TMA_SHAPES = [(1, 64, 40, 8), (37, 136, 72, 16), (1000, 520, 264, 24), (2053, 1032, 1000, 32),

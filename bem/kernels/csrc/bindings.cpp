@@ -256,7 +256,10 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
                            (N + kDecodeTileN - 1) / kDecodeTileN <= kMaxDecodeTiles;
   if (mode == kAuto) {
     const bool decode = fits_decode && M <= kDecodeAutoMaxTokens;
-    mode = decode ? kDecode : gemm_update_suits(x, weight, bias, V, U) ? kGemmUpdate : kPrefillMode;
+    mode = decode                                                 ? kDecode
+           : gemm_update_suits(x, weight, bias, V, U)             ? kGemmUpdate
+           : gemm_update_projected_suits(x, weight, bias, V, U)   ? kGemmUpdateProjected
+                                                                  : kPrefillMode;
   }
   BEM_CHECK(mode >= kDecode && mode <= kGemmUpdateProjected, "unknown linear mode ", mode);
   BEM_CHECK(gemm_tile_n == 0 || gemm_tile_n == 128 || gemm_tile_n == 256,

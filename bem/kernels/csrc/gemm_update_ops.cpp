@@ -59,7 +59,22 @@ GemmUpdateArgs gemm_update_args(const Tensor& x, const Tensor& weight, const Opt
   return args;
 }
 
+// Where the GEMM given s P ⊙ codes (linear mode 7) measured faster than the default before it, on an
+// H200 (docs/kernels.md), x F.linear: from 512 rows up to the streaming update's 1024 at rank 32 and
+// above, where the separate update pass is a chain of short launches (4096², M = 512: r = 32 1.34x
+// against 1.55x, r = 64 1.38x against 1.65x; 2048 x 8192, r = 32: 1.25x against 1.63x; 4096 x 14336 and
+// 14336 x 4096 within 2%). At 256 rows it only tied, at rank 16 the clustered streaming update stays
+// ahead (M = 256: 1.49x against 1.79x), and from 1024 rows the default ties it.
+constexpr int64_t kProjectedMinRows = 512, kProjectedMaxRows = 1023, kProjectedMinRank = 32;
+
 }  // namespace
+
+bool gemm_update_projected_suits(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& V,
+                                 const Tensor& U) {
+  const int64_t M = x.size(0), r = V.size(1);
+  return M >= kProjectedMinRows && M <= kProjectedMaxRows && r >= kProjectedMinRank &&
+         gemm_update_takes(x, weight, bias, V, U) && sm90a_runs(x.get_device());
+}
 
 bool gemm_update_suits(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& V,
                        const Tensor& U) {

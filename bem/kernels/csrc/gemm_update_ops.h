@@ -14,6 +14,11 @@ namespace bem {
 bool gemm_update_suits(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                        const at::Tensor& V, const at::Tensor& U);
 
+// Whether the default dispatch runs the GEMM given s P ⊙ codes from cuBLAS (mode 7) where
+// gemm_update_suits does not hold: a few hundred rows at rank 32 and above (x: (M, K), 2-D).
+bool gemm_update_projected_suits(const at::Tensor& x, const at::Tensor& weight,
+                                 const c10::optional<at::Tensor>& bias, const at::Tensor& V, const at::Tensor& U);
+
 // (Y, P) with Y = x W^T + b + s ((x V) ⊙ codes) U^T from one GEMM; P = x V (float32) when need_p.
 // projected: cuBLAS computes P first and the GEMM adds (s P ⊙ codes) U^T (mode 7); otherwise the GEMM
 // computes P itself from V^T (Vt, r x K contiguous, or a copy made here when null; mode 6).
