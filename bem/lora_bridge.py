@@ -74,6 +74,16 @@ def bem_from_peft_lora(base_model: nn.Module, directory: Path, enable_routing: b
               "base_model_name_or_path": peft_config.get("base_model_name_or_path")}
     fields.update(overrides)
     model = create_hierarchical_bem(base_model, HierarchicalBEMConfig(**fields))
+    try:
+        _load_lora_weights(model, pairs, rank, others, weights_path)
+    except ValueError:
+        model.unload()  # the base model goes back as it was given
+        raise
+    return model
+
+
+def _load_lora_weights(model: "BEMModel", pairs: dict[str, dict[str, torch.Tensor]], rank: int,
+                       others: dict[str, torch.Tensor], weights_path: Path) -> None:
     with torch.no_grad():
         for name, module in model.bem_modules():
             lora_a, lora_b = pairs[name]["A"], pairs[name]["B"]
@@ -88,7 +98,6 @@ def bem_from_peft_lora(base_model: nn.Module, directory: Path, enable_routing: b
         if model.controller is not None and model.controller.gate is not None:
             # neutral routing: the gate starts at sigmoid(bias) for every token; cancel it in the static codes
             model.controller.static_codes.fill_(1.0 / torch.sigmoid(torch.tensor(GATE_INIT_BIAS)).item())
-    return model
 
 
 def _load_saved_modules(model: "BEMModel", tensors: dict[str, torch.Tensor], weights_path: Path) -> None:
@@ -100,8 +109,14 @@ def _load_saved_modules(model: "BEMModel", tensors: dict[str, torch.Tensor], wei
             raise ValueError(f"unexpected tensor '{_PREFIX}{key}' in {weights_path}: neither LoRA nor a module to save")
         states[owner][key[len(owner) + 1:]] = value
     for name, module in model.saved_modules():
-        if states[name]:
-            module.trained.load_state_dict(states[name])
+        if not states[name]:
+            continue
+        expected = module.trained.state_dict()
+        if set(states[name]) != set(expected) or any(states[name][k].shape != v.shape for k, v in expected.items()):
+            shapes = {k: tuple(v.shape) for k, v in states[name].items()}
+            raise ValueError(f"the weights of module to save '{name}' in {weights_path} are {shapes}; this base "
+                             f"model's are {({k: tuple(v.shape) for k, v in expected.items()})}")
+        module.trained.load_state_dict(states[name])
 
 
 def save_as_peft_lora(model: "BEMModel", directory: Path) -> None:

@@ -110,3 +110,15 @@ def test_a_classifier_without_its_head_saved_warns(recwarn):
     recwarn.clear()
     create_hierarchical_bem(classifier_base(), HierarchicalBEMConfig(rank=4, modules_to_save=["classifier"]))
     assert not [w for w in recwarn if "stays frozen" in str(w.message)]
+
+
+def test_a_peft_head_of_another_shape_is_refused_naming_it(tmp_path):
+    lora = get_peft_model(classifier_base(), LoraConfig(r=4, target_modules=["query"], task_type="SEQ_CLS"))
+    lora.save_pretrained(tmp_path)
+    config = TINY_CONFIGS["bert"]()
+    config.num_labels = 5
+    other = AutoModelForSequenceClassification.from_config(config)
+    with pytest.raises(ValueError, match=r"module to save 'classifier'.*\(3, \d+\).*\(5, \d+\)"):
+        BEMModel.from_peft_lora(other, tmp_path, enable_routing=False)
+    assert type(other.classifier).__name__ == "Linear"  # given back unwrapped
+    assert not any(type(m).__name__ == "BEMLinear" for m in other.modules())
