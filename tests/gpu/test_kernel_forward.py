@@ -333,11 +333,13 @@ def test_gemm_with_the_update_inside_matches_float64(dtype, M, K, N, r, codes, b
 @fused_gemm
 def test_gemm_with_the_update_inside_is_the_default_where_it_measured_faster():
     """Where its tiles fill at least half the GPU and K x N is small for the rank, the default dispatch is
-    linear mode 6 (bit-equal): 768² at r = 16, 4096² at r = 8; not 768² with 1024 rows (24 tiles) or
-    4096² at r = 32."""
+    linear mode 6 (bit-equal): 768² at r = 16, 4096² at r = 8, and with 128-column tiles 2048² at r = 8
+    and 1024 rows (128 tiles); not 768² with 1024 rows (24 tiles), 4096² at r = 32, 2048² at 512 rows
+    (64 tiles of 128 columns) or at r = 16."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for M, K, r, expected in ((128 * sms // 3 + 129, 768, 16, True), (1024, 768, 16, False),
-                              (128 * sms // 32 + 200, 4096, 8, True), (2048, 4096, 32, False)):
+                              (128 * sms // 32 + 200, 4096, 8, True), (2048, 4096, 32, False),
+                              (1024, 2048, 8, True), (512, 2048, 8, False), (1024, 2048, 16, False)):
         x, W, b, V, c, U = operands(M, K, K, r, torch.bfloat16, codes=True, seed=7)
         auto, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 0)
         fused, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 6)

@@ -67,6 +67,14 @@ GemmUpdateArgs gemm_update_args(const Tensor& x, const Tensor& weight, const Opt
 // ahead (M = 256: 1.49x against 1.79x), and from 1024 rows the default ties it.
 constexpr int64_t kProjectedMinRows = 512, kProjectedMaxRows = 1023, kProjectedMinRank = 32;
 
+// Where the 256-column tiles would leave more than half the multiprocessors idle, the 128-column ones
+// (chosen by gemm_update_tile_n) measured faster than the separate update at r = 8 and K up to 4096 once
+// they number at least 2/3 of the multiprocessors, on an H200 (docs/kernels.md), x F.linear: 2048²,
+// M = 1024 (128 tiles): 1.26x against 1.46x; 4096², M = 384 (96 tiles): 1.37x against 1.47x; ties at
+// 512 rows of 4096² and 3072². Slower with fewer tiles (2048², M = 512, 64: 1.85x against 1.73x), a long
+// K (14336 x 4096, M = 512: 1.24x against 1.12x) or r = 16 (768 x 3072²: 1.86x against 1.42x).
+constexpr int64_t kNarrowMaxRank = 8, kNarrowMaxK = 4096;
+
 }  // namespace
 
 bool gemm_update_projected_suits(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& V,
@@ -79,8 +87,12 @@ bool gemm_update_projected_suits(const Tensor& x, const Tensor& weight, const Op
 bool gemm_update_suits(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& V,
                        const Tensor& U) {
   const int64_t M = x.size(0), K = x.size(1), N = U.size(0), r = V.size(1);
-  return K * N <= gemm_update_max_kn(r) && gemm_update_takes(x, weight, bias, V, U) &&
-         gemm_update_tile_n((int)M, (int)N, num_sms(x.get_device())) == 256 && sm90a_runs(x.get_device());
+  const int sms = num_sms(x.get_device());
+  const bool wide = gemm_update_tile_n((int)M, (int)N, sms) == 256;
+  const bool narrow = !wide && r <= kNarrowMaxRank && K <= kNarrowMaxK &&
+                      3 * gemm_update_tiles((int)M, (int)N, 128) >= 2LL * sms;
+  return (wide || narrow) && K * N <= gemm_update_max_kn(r) && gemm_update_takes(x, weight, bias, V, U) &&
+         sm90a_runs(x.get_device());
 }
 
 std::tuple<Tensor, Tensor> gemm_update_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias,
