@@ -254,12 +254,13 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
   const int64_t M = x.size(0), N = U.size(0), K = x.size(1), r = V.size(1);
   const bool fits_decode = tensor_core_dtype(x) && M >= 1 && M <= kDecodeMaxTokens &&
                            (N + kDecodeTileN - 1) / kDecodeTileN <= kMaxDecodeTiles;
-  if (mode == kAuto) {
-    const bool decode = fits_decode && M <= kDecodeAutoMaxTokens;
-    mode = decode                                                 ? kDecode
-           : gemm_update_suits(x, weight, bias, V, U)             ? kGemmUpdate
-           : gemm_update_projected_suits(x, weight, bias, V, U)   ? kGemmUpdateProjected
-                                                                  : kPrefillMode;
+  if (mode == kAuto && fits_decode && M <= kDecodeAutoMaxTokens) {
+    mode = kDecode;
+  } else if (mode == kAuto) {
+    const GemmUpdateChoice choice = gemm_update_choice(x, weight, bias, V, U);
+    mode = choice == GemmUpdateChoice::kInside      ? kGemmUpdate
+           : choice == GemmUpdateChoice::kProjected ? kGemmUpdateProjected
+                                                    : kPrefillMode;
   }
   BEM_CHECK(mode >= kDecode && mode <= kGemmUpdateProjected, "unknown linear mode ", mode);
   BEM_CHECK(gemm_tile_n == 0 || gemm_tile_n == 128 || gemm_tile_n == 256,

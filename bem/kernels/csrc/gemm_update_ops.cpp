@@ -77,22 +77,17 @@ constexpr int64_t kNarrowMaxRank = 8, kNarrowMaxK = 4096;
 
 }  // namespace
 
-bool gemm_update_projected_suits(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& V,
-                                 const Tensor& U) {
-  const int64_t M = x.size(0), r = V.size(1);
-  return M >= kProjectedMinRows && M <= kProjectedMaxRows && r >= kProjectedMinRank &&
-         gemm_update_takes(x, weight, bias, V, U) && sm90a_runs(x.get_device());
-}
-
-bool gemm_update_suits(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& V,
-                       const Tensor& U) {
+GemmUpdateChoice gemm_update_choice(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& V,
+                                    const Tensor& U) {
   const int64_t M = x.size(0), K = x.size(1), N = U.size(0), r = V.size(1);
+  if (!gemm_update_takes(x, weight, bias, V, U) || !sm90a_runs(x.get_device())) return GemmUpdateChoice::kNone;
   const int sms = num_sms(x.get_device());
   const bool wide = gemm_update_tile_n((int)M, (int)N, sms) == 256;
   const bool narrow = !wide && r <= kNarrowMaxRank && K <= kNarrowMaxK &&
                       3 * gemm_update_tiles((int)M, (int)N, 128) >= 2LL * sms;
-  return (wide || narrow) && K * N <= gemm_update_max_kn(r) && gemm_update_takes(x, weight, bias, V, U) &&
-         sm90a_runs(x.get_device());
+  if ((wide || narrow) && K * N <= gemm_update_max_kn(r)) return GemmUpdateChoice::kInside;
+  if (M >= kProjectedMinRows && M <= kProjectedMaxRows && r >= kProjectedMinRank) return GemmUpdateChoice::kProjected;
+  return GemmUpdateChoice::kNone;
 }
 
 std::tuple<Tensor, Tensor> gemm_update_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias,

@@ -9,15 +9,13 @@
 
 namespace bem {
 
-// Whether the default dispatch runs the GEMM with the update inside: it takes the operands, K x N is
-// within the limit measured for the rank, and the shape gets the 128 x 256 tiles (x: (M, K), 2-D).
-bool gemm_update_suits(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                       const at::Tensor& V, const at::Tensor& U);
-
-// Whether the default dispatch runs the GEMM given s P ⊙ codes from cuBLAS (mode 7) where
-// gemm_update_suits does not hold: a few hundred rows at rank 32 and above (x: (M, K), 2-D).
-bool gemm_update_projected_suits(const at::Tensor& x, const at::Tensor& weight,
-                                 const c10::optional<at::Tensor>& bias, const at::Tensor& V, const at::Tensor& U);
+// The default dispatch's use of the GEMM (x: (M, K), 2-D), where it takes the operands and measured
+// faster: kInside (linear mode 6) where K x N is within the limit measured for the rank and the tiles fill
+// the GPU (128 x 256 ones at least half of it, or at r = 8 and K <= 4096 128 x 128 ones 2/3 of it);
+// kProjected (mode 7) at a few hundred rows from rank 32; kNone elsewhere.
+enum class GemmUpdateChoice { kNone, kInside, kProjected };
+GemmUpdateChoice gemm_update_choice(const at::Tensor& x, const at::Tensor& weight,
+                                    const c10::optional<at::Tensor>& bias, const at::Tensor& V, const at::Tensor& U);
 
 // (Y, P) with Y = x W^T + b + s ((x V) ⊙ codes) U^T from one GEMM; P = x V (float32) when need_p.
 // projected: cuBLAS computes P first and the GEMM adds (s P ⊙ codes) U^T (mode 7); otherwise the GEMM
