@@ -299,3 +299,29 @@ def test_backward_ops_fake_shapes():
                                               torch.empty(3, 8), None, 1.0)
     for got in (outs, prefill):
         assert [tuple(t.shape) for t in got] == [(3, 40), (40, 8), (3, 8), (24, 8)]
+
+
+def test_prefill_dx_path_names_the_choices_and_restores_the_default():
+    from bem.kernels import custom_ops
+
+    with pytest.raises(ValueError, match=r"prefill dX path must be one of \('update', 'gemm'\) or None, got 'cublas'"):
+        with custom_ops.prefill_dx_path("cublas"):
+            pass
+    with custom_ops.prefill_dx_path("update"):
+        assert custom_ops._PREFILL_DX_PATH == "update"
+        with custom_ops.prefill_dx_path("gemm"):
+            assert custom_ops._PREFILL_DX_PATH == "gemm"
+        assert custom_ops._PREFILL_DX_PATH == "update"
+    assert custom_ops._PREFILL_DX_PATH is None
+
+
+@pytest.mark.parametrize("value,uses_reference", [(None, False), ("1", False), ("0", True)])
+def test_training_takes_the_fused_ops_unless_bem_fused_training_is_0(value, uses_reference):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "BEM_FUSED_TRAINING"}
+    if value is not None:
+        env["BEM_FUSED_TRAINING"] = value
+    code = "from bem.kernels import ops; print(ops.TRAINING_USES_REFERENCE)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(uses_reference)

@@ -17,8 +17,9 @@ W and b are frozen: no dW, no db.
 
 from __future__ import annotations
 
+import contextlib
 from types import ModuleType
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -121,10 +122,19 @@ def _grads_from_g(
     need_u: bool, alongside: Optional[Callable[[], object]] = None,
 ) -> tuple[Optional[Tensor], Tensor, Optional[Tensor]]:
     """(dV, dcodes, dU) from G = dY U and P = x V: one kernel for the three coefficient tensors, then dV and
-    dU, two GEMMs that only stream x and dY. With `alongside` (work for the caller's stream), the two GEMMs
-    run beside it on a side stream: every tensor is allocated on the caller's stream before the fork, and
-    the join comes before the return."""
+    dU (`_low_rank_products`)."""
     low, pc, dcodes = backward_coefficients(G, P, codes, scaling, x.dtype)
+    dv, du = _low_rank_products(x, grad_y, low, pc, need_v, need_u, alongside)
+    return dv, dcodes, du
+
+
+def _low_rank_products(
+    x: Tensor, grad_y: Tensor, low: Tensor, pc: Tensor, need_v: bool, need_u: bool,
+    alongside: Optional[Callable[[], object]] = None,
+) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """dV = x^T low and dU = dY^T pc, two GEMMs that only stream x and dY. With `alongside` (work for the
+    caller's stream), they run beside it on a side stream: every tensor is allocated on the caller's stream
+    before the fork, and the join comes before the return."""
     dv = x.new_empty(x.shape[1], low.shape[1]) if need_v else None
     du = x.new_empty(grad_y.shape[1], pc.shape[1]) if need_u else None
 
@@ -136,14 +146,50 @@ def _grads_from_g(
 
     if alongside is None:
         products()
-        return dv, dcodes, du
+        return dv, du
     main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
     side.wait_stream(main)
     with torch.cuda.stream(side):
         products()
     alongside()
     main.wait_stream(side)
-    return dv, dcodes, du
+    return dv, du
+
+
+# How the prefill backward computes dX (None: by shape, `_dx_in_gemm`); forced by `prefill_dx_path`.
+_PREFILL_DX_PATH: Optional[str] = None
+PREFILL_DX_PATHS = ("update", "gemm")
+
+
+@contextlib.contextmanager
+def prefill_dx_path(path: Optional[str]) -> Iterator[None]:
+    """Force how the prefill backward computes dX, for tests and benchmarks: "update" (the update kernels
+    on dY, then cuBLAS adds dY W), "gemm" (the fused GEMM given s (dY U) ⊙ codes, which must take the
+    operands) or None (by shape)."""
+    global _PREFILL_DX_PATH
+    if path is not None and path not in PREFILL_DX_PATHS:
+        raise ValueError(f"prefill dX path must be one of {PREFILL_DX_PATHS} or None, got {path!r}")
+    before, _PREFILL_DX_PATH = _PREFILL_DX_PATH, path
+    try:
+        yield
+    finally:
+        _PREFILL_DX_PATH = before
+
+
+def _dx_in_gemm(grad_y: Tensor, weight: Tensor, V: Tensor) -> bool:
+    """Whether dX = dY W + s (G ⊙ c) V^T comes from the fused GEMM (`gemm_update_given`, W read transposed):
+    where the extension's measured rule says so, unless forced."""
+    if _PREFILL_DX_PATH == "update":
+        return False
+    if _PREFILL_DX_PATH is None:
+        return _extension().backward_dx_in_gemm(grad_y, weight.t(), V)
+    if not _extension().gemm_update_given_takes(grad_y, weight.t(), V):
+        raise ValueError(
+            "the fused GEMM does not take this backward's operands (it needs an sm_90a build on a compute "
+            "capability 9.0 GPU, float16/bfloat16, a row-major weight, K, N and the rank multiples of 8, "
+            f"rank up to 64); got dY {tuple(grad_y.shape)} {grad_y.dtype}, weight {tuple(weight.shape)} "
+            f"strides {weight.stride()}, V {tuple(V.shape)}")
+    return True
 
 
 @torch.library.custom_op("bem::prefill_backward", mutates_args=())
@@ -151,9 +197,18 @@ def prefill_backward(
     x: Tensor, grad_y: Tensor, weight: Tensor, V: Tensor, U: Tensor, P: Tensor, codes: Optional[Tensor],
     scaling: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dX, dV, dcodes, dU) of the BEM linear above decode sizes. The update kernel gives dX's low-rank
-    share and G = dY U in one pass over dY; then cuBLAS adds dY W onto it (beta = 1) while dV and dU run
-    beside it on a side stream."""
+    """(dX, dV, dcodes, dU) of the BEM linear above decode sizes, dV and dU on a side stream beside dX.
+    Where the fused GEMM takes the operands: cuBLAS G = dY U, the coefficient kernel, then one GEMM gives
+    dX = dY W + (s G ⊙ c) V^T. Elsewhere the update kernel gives dX's low-rank share and G in one pass over
+    dY, and cuBLAS adds dY W onto it (beta = 1)."""
+    if _dx_in_gemm(grad_y, weight, V):
+        G = _extension().project(grad_y, U)
+        low, pc, dcodes = backward_coefficients(G, P, codes, scaling, x.dtype)
+        dx = []
+        dv, du = _low_rank_products(
+            x, grad_y, low, pc, True, True,
+            alongside=lambda: dx.append(_extension().gemm_update_given(grad_y, weight.t(), None, low, V)))
+        return dx[0], dv, dcodes, du
     dx, G = _extension().update_forward(grad_y, U, codes, V, scaling)
     dv, dcodes, du = _grads_from_g(x, grad_y, G, P, codes, scaling, True, True,
                                    alongside=lambda: dx.addmm_(grad_y, weight))

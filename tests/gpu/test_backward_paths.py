@@ -152,12 +152,39 @@ def test_backward_in_a_cuda_graph(M):
 @pytest.mark.parametrize("op", ["linear", "linear_conv1d", "update"])
 @pytest.mark.parametrize("needs", ["all", "no_x", "only_u"])
 def test_prefill_backward_matches_float64(dtype, M, K, N, r, op, needs, monkeypatch):
-    """Above 64 rows: the streaming update kernel (1100 rows, r = 16), two cuBLAS GEMMs (2048, r = 32),
-    the tiles kernel (odd sizes), under W^T as the forward's weight."""
+    """Above 64 rows, dX from the update kernels on dY: the streaming update kernel (1100 rows, r = 16),
+    two cuBLAS GEMMs (2048, r = 32), the tiles kernel (odd sizes), under W^T as the forward's weight."""
     calls = []
     real = custom_ops.backward_coefficients
     monkeypatch.setattr(custom_ops, "backward_coefficients", lambda *a: calls.append(1) or real(*a))
-    _check_gradients(op, M, K, N, r, dtype, needs, 0.8, stable_seed(dtype, M, K, N, r, op, needs), "prefill", calls)
+    with custom_ops.prefill_dx_path("update"):
+        _check_gradients(op, M, K, N, r, dtype, needs, 0.8, stable_seed(dtype, M, K, N, r, op, needs), "prefill",
+                         calls)
+
+
+fused_gemm = pytest.mark.skipif(
+    not ops.KERNELS_AVAILABLE or not custom_ops._C.fused_gemm_available(),
+    reason="the fused GEMM needs a compute capability 9.0 GPU and an sm_90a build",
+)
+
+
+@fused_gemm
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,K,N,r", [(65, 256, 200, 8), (300, 136, 264, 16), (1100, 520, 392, 24),
+                                     (2048, 256, 512, 32), (1030, 96, 80, 64), (5000, 768, 776, 40)])
+@pytest.mark.parametrize("op", ["linear", "linear_conv1d"])
+@pytest.mark.parametrize("path", ["update", "gemm"])
+def test_prefill_dx_paths_match_float64(dtype, M, K, N, r, op, path, monkeypatch):
+    """Both ways of computing the prefill backward's dX, each shown to run: the update kernels on dY with
+    cuBLAS adding dY W, and the fused GEMM given s (dY U) ⊙ codes, which reads an nn.Linear weight
+    transposed (and a Conv1D one, whose W^T is row-major, as it is)."""
+    chosen = []
+    real = custom_ops._dx_in_gemm
+    monkeypatch.setattr(custom_ops, "_dx_in_gemm", lambda *a: chosen.append(real(*a)) or chosen[-1])
+    with custom_ops.prefill_dx_path(path):
+        _check_gradients(op, M, K, N, r, dtype, "all", 0.8, stable_seed(dtype, M, K, N, r, op, path), "prefill",
+                         chosen)
+    assert chosen == [path == "gemm"]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -174,3 +201,37 @@ def test_backward_coefficients_match_float64(dtype, with_codes):
         assert out.dtype == dtype
         # one rounding of an fp32 product to the dtype
         assert rel_err(out, ref) <= torch.finfo(dtype).eps, rel_err(out, ref)
+
+
+@fused_gemm
+def test_fused_gemm_dx_is_the_default_where_it_measured_faster():
+    """The measured rule (`backward_dx_in_gemm`): 512 to 1023 rows from r = 16; K x N up to 2048² from r = 16,
+    or at r = 8 once the 128-column tiles are as many as the multiprocessors; not at 128 rows of larger
+    shapes, not from 1024 rows of 4096², not at r = 8 between, not where the GEMM does not take the rank."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count  # 2048 columns: 16 tiles per 128 rows
+    cases = [(512, 4096, 4096, 16, True), (1023, 14336, 4096, 32, True), (700, 4096, 14336, 64, True),
+             (511, 4096, 4096, 32, False), (1024, 4096, 4096, 64, False), (512, 4096, 4096, 8, False),
+             (128, 768, 768, 32, True), (128, 2048, 2048, 8, False), (16384, 768, 768, 8, True),
+             (128 * -(-sms // 16), 2048, 2048, 8, True), (128 * (-(-sms // 16) - 1), 2048, 2048, 8, False),
+             (700, 4096, 4096, 12, False), (4096, 4096, 14336, 32, False)]
+    for M, K, N, r, expected in cases:
+        dy = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+        W = torch.empty(N, K, device="cuda", dtype=torch.bfloat16)
+        V = torch.empty(K, r, device="cuda", dtype=torch.bfloat16)
+        assert custom_ops._C.backward_dx_in_gemm(dy, W.t(), V) is expected, f"M = {M}, K = {K}, N = {N}, r = {r}"
+
+
+@fused_gemm
+@pytest.mark.parametrize("M,r,expected", [(600, 32, "gemm"), (300, 8, "update")])
+def test_default_prefill_dx_is_bit_equal_to_the_chosen_path(M, r, expected):
+    K, N = 1024, 2048 if expected == "update" else 1024
+    x, W, b, V, c, U = operands(M, K, N, r, torch.bfloat16, codes=True, seed=stable_seed(M, r))
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    leaves = [t.detach().requires_grad_() for t in (x, V, c, U)]
+
+    def grads(path):
+        with custom_ops.prefill_dx_path(path):
+            return torch.autograd.grad(ops.bem_linear(leaves[0], W, b, *leaves[1:], 0.7), leaves, dy)
+
+    default, chosen, other = grads(None), grads(expected), grads("gemm" if expected == "update" else "update")
+    assert torch.equal(default[0], chosen[0]) and not torch.equal(default[0], other[0])

@@ -185,13 +185,17 @@ def test_inference_linear_without_p_gives_the_same_output(M, K, N, mode, split_k
 
 
 @pytest.mark.skipif(not KERNELS_AVAILABLE, reason="needs the CUDA extension")
-def test_default_dispatch_sends_prefill_sized_training_calls_to_the_reference(monkeypatch):
+def test_opting_out_sends_prefill_sized_training_calls_to_the_reference(monkeypatch):
+    """BEM_FUSED_TRAINING=0 (TRAINING_USES_REFERENCE): autograd at prefill sizes takes the reference path;
+    the fused ops by default."""
     from bem.kernels import ops
 
-    monkeypatch.setattr(ops, "TRAINING_USES_REFERENCE", True)
     x = torch.randn(4096, 64, device="cuda", dtype=torch.bfloat16)
     V = torch.randn(64, 8, device="cuda", dtype=torch.bfloat16)
-    assert "reference path measured faster" in ops.fused_unavailable_reason(x, V)
+    monkeypatch.setattr(ops, "TRAINING_USES_REFERENCE", False)
+    assert ops.fused_unavailable_reason(x, V) is None
+    monkeypatch.setattr(ops, "TRAINING_USES_REFERENCE", True)
+    assert "BEM_FUSED_TRAINING=0 asks for the reference path" in ops.fused_unavailable_reason(x, V)
     with torch.no_grad():
         assert ops.fused_unavailable_reason(x, V) is None
     assert ops.fused_unavailable_reason(x[:16], V) is None  # decode sizes keep the fused kernel

@@ -114,11 +114,51 @@ def test_gemm_with_the_update_inside_rejects_what_it_cannot_take():
     x = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16)
     W = torch.randn(40, 64, device="cuda", dtype=torch.bfloat16)
     V, U = torch.randn(64, 12, device="cuda", dtype=torch.bfloat16), torch.randn(40, 12, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="the fused GEMM takes a row-major weight, K, N and the rank multiples of 8"):
+    with pytest.raises(ValueError, match="the fused GEMM takes a row-major weight .or, given the projection, a "
+                                         "transposed one., K, N and the rank multiples of 8"):
         custom_ops._C.linear_forward(x, W, None, V, None, U, 1.0, 6)
     V8, U8 = V[:, :8].contiguous(), U[:, :8].contiguous()
     with pytest.raises(ValueError, match="rank 8"):  # a transposed weight
         custom_ops._C.linear_forward(x, W.t().contiguous().t(), None, V8, None, U8, 1.0, 6)
+
+
+@pytest.mark.skipif(not ops.KERNELS_AVAILABLE or not custom_ops._C.fused_gemm_available(),
+                    reason="the GEMM with the update inside needs a compute capability 9.0 GPU and an sm_90a build")
+def test_gemm_given_the_projection_rejects_what_it_cannot_take():
+    x = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16)
+    W = torch.randn(40, 64, device="cuda", dtype=torch.bfloat16)
+    U, Pc = torch.randn(40, 8, device="cuda", dtype=torch.bfloat16), torch.randn(300, 8, device="cuda", dtype=torch.bfloat16)
+    assert custom_ops._C.gemm_update_given_takes(x, W, U) and custom_ops._C.gemm_update_given_takes(x, W.t().contiguous().t(), U)
+    cases = [
+        ((x, W[:, ::2], None, Pc[:, :4].contiguous(), U[:, :4].contiguous()), "weight must be .N, K. = .40, 64., got .40, 32."),
+        ((x, W, None, Pc[:299], U), r"Pc must be \(M, r\) = \(300, 8\), got \[299, 8\]"),
+        ((x, W, None, Pc.half(), U), "Pc has dtype"),
+        ((x, W, torch.zeros(39, device="cuda", dtype=torch.bfloat16), Pc, U), "bias must be .N,. = .40,."),
+        ((x.float(), W.float(), None, Pc.float(), U.float()), "float16 or bfloat16, got Float"),
+        ((x, W, None, torch.randn(300, 12, device="cuda", dtype=torch.bfloat16),
+          torch.randn(40, 12, device="cuda", dtype=torch.bfloat16)), "rank multiples of 8.* rank 12"),
+        ((x, torch.randn(80, 64, device="cuda", dtype=torch.bfloat16)[::2], None, Pc, U), "transpose of a row-major"),
+        ((x.cpu(), W, None, Pc, U), "x must be a CUDA tensor"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            custom_ops._C.gemm_update_given(*args)
+    with pytest.raises(ValueError, match="tile_n must be 0 .chosen by shape., 128 or 256, got 64"):
+        custom_ops._C.gemm_update_given(x, W, None, Pc, U, 64)
+    assert not custom_ops._C.gemm_update_given_takes(x, W[:, :36], U)
+    assert not custom_ops._C.gemm_update_given_takes(x.float(), W.float(), U.float())
+
+
+def test_forcing_the_gemm_dx_path_on_operands_it_cannot_take_is_refused():
+    """A rank that is not a multiple of 8: the prefill backward's fused-GEMM dX path is refused by name."""
+    x = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16)
+    W = torch.randn(40, 64, device="cuda", dtype=torch.bfloat16)
+    V = torch.randn(64, 12, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    U = torch.randn(40, 12, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = ops.bem_linear(x.requires_grad_(), W, None, V, None, U, 1.0)
+    with custom_ops.prefill_dx_path("gemm"), pytest.raises(ValueError, match="the fused GEMM does not take this "
+                                                                              "backward's operands.*V \\(64, 12\\)"):
+        y.float().sum().backward()
 
 
 @pytest.mark.skipif(not ops.KERNELS_AVAILABLE or not custom_ops._C.fused_gemm_available(),

@@ -331,6 +331,40 @@ def test_gemm_with_the_update_inside_matches_float64(dtype, M, K, N, r, codes, b
 
 
 @fused_gemm
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "M,K,N,r,bias",
+    [(1, 8, 8, 8, False), (129, 64, 136, 16, False), (1000, 776, 904, 8, True), (777, 768, 768, 64, True),
+     (300, 2056, 1032, 40, False), (5000, 768, 776, 24, True), (515, 1032, 1160, 56, True)],
+)
+@pytest.mark.parametrize("tile_n", [128, 256])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_gemm_given_the_projection_matches_float64(dtype, M, K, N, r, bias, tile_n, transposed):
+    """`gemm_update_given`: Y = x W^T + b + Pc U^T from the fused GEMM, with W row-major or read transposed
+    (the transposed view of a row-major (K, N) tensor: GPT-2's Conv1D, and W^T in the backward's
+    dX = dY W), 128- and 256-column tiles; odd M, N not a multiple of 64, K not a multiple of 64, several
+    tiles per block (M = 5000). With a transposed weight, linear mode 7 takes it too."""
+    seed = stable_seed(M, K, N, r, str(dtype), transposed)
+    x, W, b, V, c, U = operands(M, K, N, r, dtype, codes=True, seed=seed)
+    if transposed:
+        W = W.t().contiguous().t()
+        assert not W.is_contiguous()
+    b = b if bias else None
+    Pc = (0.5 * torch.randn(M, r, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed))).to(dtype)
+    ref = x.double() @ W.double().t() + Pc.double() @ U.double().t() + (0 if b is None else b.double())
+    torch_err = rel_err(torch.nn.functional.linear(x, W, b) + Pc @ U.t(), ref)
+    poison_allocator(x.device, M * N)
+    y = custom_ops._C.gemm_update_given(x, W, b, Pc, U, tile_n)
+    assert y.shape == (M, N) and rel_err(y, ref) <= bound(torch_err, dtype)
+    if transposed:
+        ref = linear_ref64(x, W, b, V, c, U, 1.5)
+        poison_allocator(x.device, M * N + M * r)
+        y, P = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 7, gemm_tile_n=tile_n)
+        assert rel_err(y, ref) <= bound(rel_err(reference.bem_linear(x, W, b, V, c, U, 1.5), ref), dtype)
+        assert P.dtype == torch.float32 and rel_err(P, x.double() @ V.double()) < 1e-5
+
+
+@fused_gemm
 def test_gemm_with_the_update_inside_is_the_default_where_it_measured_faster():
     """Where its tiles fill at least half the GPU and K x N is small for the rank, the default dispatch is
     linear mode 6 (bit-equal): 768² at r = 16, 4096² at r = 8, and with 128-column tiles 2048² at r = 8

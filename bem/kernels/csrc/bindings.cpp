@@ -382,6 +382,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("V"), py::arg("codes"), py::arg("U"),
         py::arg("scaling"), py::arg("mode") = 0, py::arg("split_k") = 0, py::arg("need_p") = true,
         py::arg("V_t") = py::none(), py::arg("gemm_tile_n") = 0);
+  m.def("gemm_update_given", &bem::gemm_update_given,
+        "Y = x W^T + b + Pc U^T from the fused GEMM (sm_90a), W row-major (N, K) or transposed (K, N)",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("Pc"), py::arg("U"), py::arg("tile_n") = 0);
+  m.def("gemm_update_given_takes", &bem::gemm_update_given_takes,
+        "whether gemm_update_given takes these operands as they are (no bias) on this build and device",
+        py::arg("x"), py::arg("weight"), py::arg("U"));
+  m.def("backward_dx_in_gemm", &bem::backward_dx_in_gemm,
+        "whether the prefill backward's dX comes from the fused GEMM (measured rule) for dY, W^T and V",
+        py::arg("grad_y"), py::arg("weight_t"), py::arg("V"));
   m.def("decode_backward", &bem::decode_backward,
         "(dX, dV, dcodes, dU) of the BEM linear (weight given) or of the update, for 1..64 rows",
         py::arg("x"), py::arg("grad_y"), py::arg("weight"), py::arg("V"), py::arg("U"), py::arg("P"), py::arg("codes"),

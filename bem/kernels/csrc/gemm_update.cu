@@ -1,4 +1,6 @@
 // Y = X W^T + b + s ((X V) ⊙ codes) U^T as one Hopper GEMM with the update inside (fp16/bf16, sm_90a).
+// Also the backward's dX = dY W + (s (dY U) ⊙ codes) V^T: the same GEMM given the scaled projection, with
+// the weight read transposed (W^T's tiles are N-major).
 //
 // Where K x N is small (768 x 768: about 35 us for cuBLAS at M = 16384 on an H200) a separate update
 // pass costs more than half of the GEMM, most of it in reading and writing Y a second time; at a few
@@ -16,7 +18,9 @@
 // once they are done.
 // X, W, V^T and U tiles come in as K-major rows of 128 bytes with the 128-byte swizzle, the layout
 // wgmma reads without bank conflicts; TMA fills rows and columns past the tensors with zeros (U's tile
-// is 64 columns wide whatever r is). Measured on the way (M = 16384, 4096², r = 8): cp.async copies
+// is 64 columns wide whatever r is). A transposed weight (WT: W given as a row-major K x N tensor, GPT-2's
+// Conv1D layout or the backward's W) comes in as BN / 64 boxes of 64 k-rows by 64 columns, N-major, which
+// wgmma reads transposed. Measured on the way (M = 16384, 4096², r = 8): cp.async copies
 // into an unswizzled layout reached 200 TFLOP/s with L2 at 89% of its throughput; TMA, 530.
 #include "common.cuh"
 #include "launchers.h"
@@ -63,13 +67,15 @@ struct GemmUpdateParams {  // besides the TMA maps of X, W, V^T and U
   float scale;
 };
 
-template <typename T, int RN, int BN, bool PIN>
+template <typename T, int RN, int BN, bool PIN, bool WT>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_update_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
                        const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap u_map,
                        GemmUpdateParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(PIN || !WT, "a transposed weight takes s P ⊙ codes ready: V^T cannot ride along N-major tiles");
   using Lay = GemmLayout<RN, BN, PIN>;
+  constexpr int kWtBoxBytes = 64 * kBK * 2;  // one box of a transposed weight's tile: 64 columns by kBK k-rows
   constexpr int RP = Lay::RP, kStages = Lay::stages;
   constexpr int PN = PIN ? 0 : RN;  // P's columns in the K loop's accumulators
   constexpr int kProducerRegs = 40, kConsumerRegs = 232;
@@ -109,7 +115,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int kt = 0; kt < k_tiles; ++kt, ++it) {
         const unsigned bar = acquire(Lay::stage_bytes), stage = stage_of(it);
         tma_load_2d(stage, &x_map, kt * kBK, m0, bar);
-        tma_load_2d(stage + Lay::a_bytes, &w_map, kt * kBK, n0, bar);
+        if constexpr (WT) {
+#pragma unroll
+          for (int box = 0; box < BN / 64; ++box)
+            tma_load_2d(stage + Lay::a_bytes + box * kWtBoxBytes, &w_map, n0 + 64 * box, kt * kBK, bar);
+        } else {
+          tma_load_2d(stage + Lay::a_bytes, &w_map, kt * kBK, n0, bar);
+        }
         if constexpr (!PIN) tma_load_2d(stage + Lay::a_bytes + Lay::w_bytes, &v_map, kt * kBK, 0, bar);
       }
       const unsigned bar = acquire(Lay::w_bytes);  // U's rows for the tile go where W's were
@@ -120,7 +132,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
-  const T* codes = static_cast<const T*>(p.codes);
   const T* bias = static_cast<const T*>(p.bias);
   T* Y = static_cast<T*>(p.Y);
   int it = 0;
@@ -143,7 +154,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // (V^T's rows follow W's in the stage, so one wgmma with N = 128 + RN covers both): one read of the
     // X tile per step instead of two.
     constexpr int kFirst = BN == 256 ? 64 : 1;  // acc0 is not used in 128-column tiles
-    constexpr unsigned kLast = (BN - 128) * 128;  // byte offset of the last 128 rows of W (or U) in a stage
+    // byte offset of the last 128 rows of W (or U) in a stage; of a transposed W's last two boxes alike
+    constexpr unsigned kLast = (BN - 128) * 128;
     float acc0[kFirst], acc1[64 + PN / 2];
     float (&acc1_y)[64] = *reinterpret_cast<float(*)[64]>(acc1);
 #pragma unroll
@@ -159,8 +171,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int ks = 0; ks < kBK / 16; ++ks) {  // k16 step ks starts 32 bytes into each swizzled row
         const uint64_t da = wgmma_desc_sw128(a_base + wg * 64 * 128 + ks * 32);
-        if constexpr (BN == 256) Wgmma<T, 128>::ss(acc0, da, wgmma_desc_sw128(w_base + ks * 32));
-        Wgmma<T, 128 + PN>::ss(acc1, da, wgmma_desc_sw128(w_base + kLast + ks * 32));
+        if constexpr (WT) {  // ... and 16 rows (2048 bytes) into each N-major box
+          if constexpr (BN == 256)
+            Wgmma<T, 128>::template ss<1>(acc0, da, wgmma_desc_sw128_n(w_base + ks * 2048, kWtBoxBytes));
+          Wgmma<T, 128>::template ss<1>(acc1, da, wgmma_desc_sw128_n(w_base + kLast + ks * 2048, kWtBoxBytes));
+        } else {
+          if constexpr (BN == 256) Wgmma<T, 128>::ss(acc0, da, wgmma_desc_sw128(w_base + ks * 32));
+          Wgmma<T, 128 + PN>::ss(acc1, da, wgmma_desc_sw128(w_base + kLast + ks * 32));
+        }
       }
       wgmma_commit();
       // Step kt - 1's wgmma are done once at most this step's are pending: its stage goes back.
@@ -251,16 +269,19 @@ __global__ void gemm_update_probe_kernel(int* out) {
 #endif
 }
 
-template <typename T, int RN, int BN, bool PIN>
+template <typename T, int RN, int BN, bool PIN, bool WT>
 cudaError_t launch_for_tile(const GemmUpdateArgs& a, cudaStream_t stream) {
-  constexpr auto kernel = gemm_update_kernel<T, RN, BN, PIN>;
+  constexpr auto kernel = gemm_update_kernel<T, RN, BN, PIN, WT>;
   constexpr int bytes = GemmLayout<RN, BN, PIN>::total_bytes;
   cudaError_t err = raise_smem_limit<kernel>(bytes);
   if (err != cudaSuccess) return err;
   constexpr bool bf16 = std::is_same<T, __nv_bfloat16>::value;
   CUtensorMap x_map, w_map, v_map{}, u_map;
   if ((err = encode_map(&x_map, a.X, a.M, a.K, kBM, bf16)) != cudaSuccess) return err;
-  if ((err = encode_map(&w_map, a.W, a.N, a.K, BN, bf16)) != cudaSuccess) return err;
+  // W: N x K row-major in BN-row boxes, or (WT) K x N row-major in boxes of kBK rows by 64 columns
+  if ((err = WT ? encode_map(&w_map, a.W, a.K, a.N, kBK, bf16) : encode_map(&w_map, a.W, a.N, a.K, BN, bf16)) !=
+      cudaSuccess)
+    return err;
   if (!PIN && (err = encode_map(&v_map, a.Vt, a.r, a.K, RN, bf16)) != cudaSuccess) return err;
   if ((err = encode_map(&u_map, a.U, a.N, a.r, BN, bf16)) != cudaSuccess) return err;
   GemmUpdateParams p{a.bias, a.codes, a.Pc, a.Y, a.P, a.M, a.N, a.K, a.r, 0, 0, a.scale};
@@ -274,9 +295,14 @@ cudaError_t launch_for_tile(const GemmUpdateArgs& a, cudaStream_t stream) {
 template <typename T, int RN>
 cudaError_t launch_for_rank(const GemmUpdateArgs& a, cudaStream_t stream) {
   const int tile_n = a.tile_n != 0 ? a.tile_n : gemm_update_tile_n(a.M, a.N, a.num_sms);
+  if (a.w_transposed)
+    return tile_n == 128 ? launch_for_tile<T, RN, 128, true, true>(a, stream)
+                         : launch_for_tile<T, RN, 256, true, true>(a, stream);
   if (a.Pc != nullptr)
-    return tile_n == 128 ? launch_for_tile<T, RN, 128, true>(a, stream) : launch_for_tile<T, RN, 256, true>(a, stream);
-  return tile_n == 128 ? launch_for_tile<T, RN, 128, false>(a, stream) : launch_for_tile<T, RN, 256, false>(a, stream);
+    return tile_n == 128 ? launch_for_tile<T, RN, 128, true, false>(a, stream)
+                         : launch_for_tile<T, RN, 256, true, false>(a, stream);
+  return tile_n == 128 ? launch_for_tile<T, RN, 128, false, false>(a, stream)
+                       : launch_for_tile<T, RN, 256, false, false>(a, stream);
 }
 
 }  // namespace
@@ -328,7 +354,8 @@ bool gemm_update_fits(const GemmUpdateArgs& a) {
   const long long tiles = gemm_update_tiles(a.M, a.N, 128);
   return (a.tile_n == 0 || a.tile_n == 128 || a.tile_n == 256) && a.M > 0 && a.K > 0 && a.K % 8 == 0 &&
          a.N % 8 == 0 && a.r >= 1 && a.r % 8 == 0 && a.r <= kGemmUpdateMaxRank && aligned16(a.X) &&
-         aligned16(a.W) && (a.Pc != nullptr || (a.Vt != nullptr && aligned16(a.Vt))) && aligned16(a.U) &&
+         aligned16(a.W) && (a.Pc != nullptr || (a.Vt != nullptr && aligned16(a.Vt) && !a.w_transposed)) &&
+         aligned16(a.U) &&
          aligned16(a.Y) &&
          reinterpret_cast<uintptr_t>(a.bias) % 4 == 0 && tiles < INT32_MAX && a.num_sms > 0;
 }

@@ -3,6 +3,7 @@
 #include "gemm_update_ops.h"
 
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 
 #include "device_info.h"
 #include "launchers.h"
@@ -25,13 +26,17 @@ int64_t gemm_update_max_kn(int64_t r) {
   return 768 * 768;
 }
 
+// The (N, K) weight as the transposed view of a row-major (K, N) tensor (GPT-2's Conv1D, the backward's W^T).
+bool transposed_view(const Tensor& weight) { return !weight.is_contiguous() && weight.t().is_contiguous(); }
+
 // Whether the kernel takes these operands as they are (gemm_update_fits on the tensors, before anything
-// is allocated).
+// is allocated); a transposed weight only where s P ⊙ codes comes in ready (`projected`).
 bool gemm_update_takes(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& V,
-                       const Tensor& U) {
+                       const Tensor& U, bool projected = false) {
   const int64_t K = x.size(1), N = U.size(0), r = V.size(1);
-  return tensor_core_dtype(x) && K % 8 == 0 && N % 8 == 0 && r % 8 == 0 && r <= kGemmUpdateMaxRank &&
-         weight.is_contiguous() && aligned16(x.data_ptr()) && aligned16(weight.data_ptr()) &&
+  return tensor_core_dtype(x) && K % 8 == 0 && N % 8 == 0 && r >= 1 && r % 8 == 0 && r <= kGemmUpdateMaxRank &&
+         (weight.is_contiguous() || (projected && transposed_view(weight))) && aligned16(x.data_ptr()) &&
+         aligned16(weight.data_ptr()) &&
          aligned16(U.data_ptr()) && (!bias.has_value() || reinterpret_cast<uintptr_t>(bias->data_ptr()) % 4 == 0);
 }
 
@@ -42,6 +47,7 @@ GemmUpdateArgs gemm_update_args(const Tensor& x, const Tensor& weight, const Opt
   GemmUpdateArgs args{};
   args.X = x.data_ptr();
   args.W = weight.data_ptr();
+  args.w_transposed = transposed_view(weight);
   args.bias = bias.has_value() ? bias->data_ptr() : nullptr;
   args.Vt = Vt ? Vt->data_ptr() : nullptr;
   args.codes = codes.has_value() ? codes->data_ptr() : nullptr;
@@ -95,8 +101,9 @@ std::tuple<Tensor, Tensor> gemm_update_linear(const Tensor& x, const Tensor& wei
                                               bool projected, bool need_p, const Tensor* Vt, int64_t tile_n) {
   BEM_CHECK(sm90a_runs(x.get_device()), "the fused GEMM needs a compute capability 9.0 GPU and the ",
             "extension built for sm_90a (TORCH_CUDA_ARCH_LIST=9.0a)");
-  BEM_CHECK(gemm_update_takes(x, weight, bias, V, U),
-            "the fused GEMM takes a row-major weight, K, N and the rank multiples of 8, rank up to ",
+  BEM_CHECK(gemm_update_takes(x, weight, bias, V, U, projected),
+            "the fused GEMM takes a row-major weight (or, given the projection, a transposed one), K, N and the "
+            "rank multiples of 8, rank up to ",
             kGemmUpdateMaxRank, " and 16-byte aligned x, weight and U; got x ", x.sizes(), ", weight ",
             weight.sizes(), " strides ", weight.strides(), ", rank ", V.size(1));
   const int64_t M = x.size(0), N = U.size(0), r = V.size(1);
@@ -113,6 +120,75 @@ std::tuple<Tensor, Tensor> gemm_update_linear(const Tensor& x, const Tensor& wei
   const GemmUpdateArgs args = gemm_update_args(x, weight, bias, &Vt_used, codes, nullptr, U, Y, P, scale, tile_n);
   C10_CUDA_CHECK(launch_gemm_update(dtype_of(x), args, stream_now()));
   return {Y, P};
+}
+
+bool gemm_update_given_takes(const Tensor& x, const Tensor& weight, const Tensor& U) {
+  if (!x.is_cuda() || x.dim() != 2 || !x.is_contiguous() || U.dim() != 2 || !U.is_contiguous() || weight.dim() != 2 ||
+      weight.size(0) != U.size(0) || weight.size(1) != x.size(1) || weight.scalar_type() != x.scalar_type() ||
+      U.scalar_type() != x.scalar_type() || weight.device() != x.device() || U.device() != x.device())
+    return false;
+  const c10::cuda::CUDAGuard guard(x.device());
+  return gemm_update_takes(x, weight, c10::nullopt, U, U, /*projected=*/true) && sm90a_runs(x.get_device());
+}
+
+// Where the backward's dX = dY W + (s G ⊙ codes) V^T from the fused GEMM (W read transposed) measured faster
+// than the update kernels on dY with cuBLAS adding dY W, on an H200 (scripts/backward_sweep.py,
+// docs/kernels.md), forward + backward x the frozen linear's: from 512 to 1023 rows at r >= 16 (4096²,
+// M = 512: r = 32 1.40x against 1.62x, r = 64 1.48x against 1.75x; 14336 x 4096, r = 32: 1.24x against
+// 1.30x), and where K x N is at most 2048² from r = 16 (768², M = 16384, r = 32: 1.62x against 1.93x; 2048²,
+// M = 1024, r = 32: 1.93x against 2.07x), or at r = 8 once its 128-column tiles are at least as many as the
+// multiprocessors (768², M = 16384: 1.59x against 1.71x; fewer tiles tied or lost: 2048², M = 640, 80
+// tiles: 2.06x against 1.98x). At 128 rows its few tiles lost (4096², r = 8: 1.86x against 1.53x), and
+// from 1024 rows on larger K x N it tied or lost (14336 x 4096, M = 16384: 1.18x against 1.10x).
+constexpr int64_t kDxGemmMinRows = 512, kDxGemmMaxRows = 1023, kDxGemmMinRank = 16, kDxGemmSmallKN = 2048 * 2048;
+
+bool backward_dx_in_gemm(const Tensor& grad_y, const Tensor& weight_t, const Tensor& V) {
+  if (!gemm_update_given_takes(grad_y, weight_t, V)) return false;
+  const int64_t M = grad_y.size(0), K = weight_t.size(0), N = weight_t.size(1), r = V.size(1);
+  if (M >= kDxGemmMinRows && M <= kDxGemmMaxRows && r >= kDxGemmMinRank) return true;
+  const bool filled = gemm_update_tiles((int)M, (int)K, 128) >= num_sms(grad_y.get_device());
+  return K * N <= kDxGemmSmallKN && (r >= kDxGemmMinRank || filled);
+}
+
+Tensor gemm_update_given(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& Pc,
+                         const Tensor& U, int64_t tile_n) {
+  BEM_CHECK(x.is_cuda(), "x must be a CUDA tensor, got one on ", x.device());
+  BEM_CHECK(x.dim() == 2, "x must be 2-D (M, K), got shape ", x.sizes());
+  BEM_CHECK(tensor_core_dtype(x), "the fused GEMM takes float16 or bfloat16, got ", x.scalar_type());
+  check_contiguous(x, "x");
+  BEM_CHECK(U.dim() == 2, "U must be 2-D (N, r), got shape ", U.sizes());
+  check_like(U, "U", x);
+  check_contiguous(U, "U");
+  const int64_t M = x.size(0), K = x.size(1), N = U.size(0), r = U.size(1);
+  check_like(Pc, "Pc", x);
+  check_contiguous(Pc, "Pc");
+  BEM_CHECK(Pc.dim() == 2 && Pc.size(0) == M && Pc.size(1) == r, "Pc must be (M, r) = (", M, ", ", r, "), got ",
+            Pc.sizes());
+  check_like(weight, "weight", x);
+  BEM_CHECK(weight.dim() == 2 && weight.size(0) == N && weight.size(1) == K, "weight must be (N, K) = (", N, ", ",
+            K, "), got ", weight.sizes());
+  if (bias.has_value()) {
+    check_like(*bias, "bias", x);
+    check_contiguous(*bias, "bias");
+    BEM_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must be (N,) = (", N, ",), got ", bias->sizes());
+  }
+  BEM_CHECK(tile_n == 0 || tile_n == 128 || tile_n == 256, "tile_n must be 0 (chosen by shape), 128 or 256, got ",
+            tile_n);
+  BEM_CHECK(M >= 1 && M < INT_MAX && K < INT_MAX && N < INT_MAX, "dimensions must be 1 .. 2^31 - 1, got x ",
+            x.sizes(), " and U ", U.sizes());
+  const c10::cuda::CUDAGuard guard(x.device());
+  BEM_CHECK(sm90a_runs(x.get_device()), "the fused GEMM needs a compute capability 9.0 GPU and the ",
+            "extension built for sm_90a (TORCH_CUDA_ARCH_LIST=9.0a)");
+  // The rank's checks read V's columns: U's (N, r) has them too.
+  BEM_CHECK(gemm_update_takes(x, weight, bias, U, U, /*projected=*/true),
+            "the fused GEMM takes a weight that is row-major (N, K) or the transpose of a row-major (K, N) "
+            "tensor, K, N and the rank multiples of 8, rank up to ", kGemmUpdateMaxRank,
+            " and 16-byte aligned x, weight and U; got x ", x.sizes(), ", weight ", weight.sizes(), " strides ",
+            weight.strides(), ", rank ", r);
+  Tensor Y = at::empty({M, N}, x.options());
+  const GemmUpdateArgs args = gemm_update_args(x, weight, bias, nullptr, c10::nullopt, &Pc, U, Y, Tensor(), 1.0, tile_n);
+  C10_CUDA_CHECK(launch_gemm_update(dtype_of(x), args, stream_now()));
+  return Y;
 }
 
 }  // namespace bem

@@ -18,13 +18,26 @@ GemmUpdateChoice gemm_update_choice(const at::Tensor& x, const at::Tensor& weigh
                                     const c10::optional<at::Tensor>& bias, const at::Tensor& V, const at::Tensor& U);
 
 // (Y, P) with Y = x W^T + b + s ((x V) ⊙ codes) U^T from one GEMM; P = x V (float32) when need_p.
-// projected: cuBLAS computes P first and the GEMM adds (s P ⊙ codes) U^T (mode 7); otherwise the GEMM
-// computes P itself from V^T (Vt, r x K contiguous, or a copy made here when null; mode 6).
+// projected: cuBLAS computes P first and the GEMM adds (s P ⊙ codes) U^T (mode 7; the weight may also be the
+// transposed view of a row-major (K, N) tensor); otherwise the GEMM computes P itself from V^T (Vt, r x K
+// contiguous, or a copy made here when null; mode 6).
 // tile_n: the tiles' columns, 128 or 256, or 0 to choose by shape. Refuses what it cannot take.
 std::tuple<at::Tensor, at::Tensor> gemm_update_linear(const at::Tensor& x, const at::Tensor& weight,
                                                       const c10::optional<at::Tensor>& bias, const at::Tensor& V,
                                                       const c10::optional<at::Tensor>& codes, const at::Tensor& U,
                                                       double scale, bool projected, bool need_p,
                                                       const at::Tensor* Vt, int64_t tile_n);
+
+// Y = x W^T + b + Pc U^T from the GEMM given Pc (M, r) in x's dtype, with W (N, K) row-major or the transposed
+// view of a row-major (K, N) tensor: the backward's dX = dY W + (s G ⊙ codes) V^T passes (dY, W^T, s G ⊙ codes,
+// V). tile_n as above.
+at::Tensor gemm_update_given(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                             const at::Tensor& Pc, const at::Tensor& U, int64_t tile_n);
+// Whether gemm_update_given takes (x, weight, U) as they are (without a bias), on this build and device.
+bool gemm_update_given_takes(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& U);
+// Whether the backward's dX = dY W + (s G ⊙ codes) V^T comes from gemm_update_given(dY, W^T, ..., V): where
+// it takes the operands and measured faster than the update kernels on dY with cuBLAS adding dY W.
+// grad_y: (M, N), weight_t: W^T (K, N), V: (K, r).
+bool backward_dx_in_gemm(const at::Tensor& grad_y, const at::Tensor& weight_t, const at::Tensor& V);
 
 }  // namespace bem

@@ -151,7 +151,8 @@ cudaError_t launch_lowrank_grads_second(DType dtype, const LowRankGradArgs& args
 // whether the build has its sm_90a code for the device. P (M x r fp32) is written when not null.
 struct GemmUpdateArgs {
   const void* X;
-  const void* W;
+  const void* W;  // N x K row-major, or K x N row-major where w_transposed (then Pc is required)
+  bool w_transposed;
   const void* bias;
   const void* Vt;
   const void* codes;
