@@ -55,10 +55,9 @@ def sweep_row(M: int, K: int, N: int, r: int, l2_bytes: int) -> dict[str, float]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", help="comma-separated MxKxNxR")
+    parser.add_argument("--shapes", type=bench._parse_shapes, help="comma-separated MxKxNxR")
     args = parser.parse_args()
-    shapes = ([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes
-              else default_shapes())
+    shapes = args.shapes or default_shapes()
     ops.TRAINING_USES_REFERENCE = False  # the fused ops under autograd at every size
     bench.warm_up()
     props = torch.cuda.get_device_properties(0)
