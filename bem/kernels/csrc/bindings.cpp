@@ -212,25 +212,6 @@ Tensor project(const Tensor& A, const Tensor& B) {
   return run_update(A, B, c10::nullopt, nullptr, nullptr, nullptr, 1.0, false);
 }
 
-bool weight_is_transposed(const Tensor& W) {
-  return W.size(0) > 1 && W.size(1) > 1 ? (W.stride(0) == 1 && W.stride(1) == W.size(0)) : false;
-}
-
-void check_weight(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& U) {
-  check_like(weight, "weight", x);
-  BEM_CHECK(weight.dim() == 2 && weight.size(0) == U.size(0) && weight.size(1) == x.size(1),
-              "weight must be (N, K) = (", U.size(0), ", ", x.size(1), "), got ", weight.sizes());
-  BEM_CHECK(weight.is_contiguous() || weight_is_transposed(weight),
-              "weight must be row-major (N, K) or the transpose of a row-major (K, N) tensor; got strides ",
-              weight.strides());
-  if (bias.has_value()) {
-    check_like(*bias, "bias", x);
-    check_contiguous(*bias, "bias");
-    BEM_CHECK(bias->dim() == 1 && bias->size(0) == U.size(0), "bias must be (N,) = (", U.size(0),
-                ",), got ", bias->sizes());
-  }
-}
-
 Tensor base_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias) {
   // weight.t() is (K, N); cuBLAS reads either layout without a copy.
   return bias.has_value() ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t());

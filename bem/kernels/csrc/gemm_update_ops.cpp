@@ -26,16 +26,13 @@ int64_t gemm_update_max_kn(int64_t r) {
   return 768 * 768;
 }
 
-// The (N, K) weight as the transposed view of a row-major (K, N) tensor (GPT-2's Conv1D, the backward's W^T).
-bool transposed_view(const Tensor& weight) { return !weight.is_contiguous() && weight.t().is_contiguous(); }
-
 // Whether the kernel takes these operands as they are (gemm_update_fits on the tensors, before anything
 // is allocated); a transposed weight only where s P ⊙ codes comes in ready (`projected`).
 bool gemm_update_takes(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& V,
                        const Tensor& U, bool projected = false) {
   const int64_t K = x.size(1), N = U.size(0), r = V.size(1);
   return tensor_core_dtype(x) && K % 8 == 0 && N % 8 == 0 && r >= 1 && r % 8 == 0 && r <= kGemmUpdateMaxRank &&
-         (weight.is_contiguous() || (projected && transposed_view(weight))) && aligned16(x.data_ptr()) &&
+         (weight.is_contiguous() || (projected && weight_is_transposed(weight))) && aligned16(x.data_ptr()) &&
          aligned16(weight.data_ptr()) &&
          aligned16(U.data_ptr()) && (!bias.has_value() || reinterpret_cast<uintptr_t>(bias->data_ptr()) % 4 == 0);
 }
@@ -47,7 +44,7 @@ GemmUpdateArgs gemm_update_args(const Tensor& x, const Tensor& weight, const Opt
   GemmUpdateArgs args{};
   args.X = x.data_ptr();
   args.W = weight.data_ptr();
-  args.w_transposed = transposed_view(weight);
+  args.w_transposed = weight_is_transposed(weight);
   args.bias = bias.has_value() ? bias->data_ptr() : nullptr;
   args.Vt = Vt ? Vt->data_ptr() : nullptr;
   args.codes = codes.has_value() ? codes->data_ptr() : nullptr;
@@ -164,14 +161,7 @@ Tensor gemm_update_given(const Tensor& x, const Tensor& weight, const OptTensor&
   check_contiguous(Pc, "Pc");
   BEM_CHECK(Pc.dim() == 2 && Pc.size(0) == M && Pc.size(1) == r, "Pc must be (M, r) = (", M, ", ", r, "), got ",
             Pc.sizes());
-  check_like(weight, "weight", x);
-  BEM_CHECK(weight.dim() == 2 && weight.size(0) == N && weight.size(1) == K, "weight must be (N, K) = (", N, ", ",
-            K, "), got ", weight.sizes());
-  if (bias.has_value()) {
-    check_like(*bias, "bias", x);
-    check_contiguous(*bias, "bias");
-    BEM_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must be (N,) = (", N, ",), got ", bias->sizes());
-  }
+  check_weight(x, weight, bias, U);
   BEM_CHECK(tile_n == 0 || tile_n == 128 || tile_n == 256, "tile_n must be 0 (chosen by shape), 128 or 256, got ",
             tile_n);
   BEM_CHECK(M >= 1 && M < INT_MAX && K < INT_MAX && N < INT_MAX, "dimensions must be 1 .. 2^31 - 1, got x ",

@@ -80,6 +80,27 @@ inline void check_update_operands(const Tensor& x, const Tensor& V, const OptTen
   }
 }
 
+// The (N, K) weight as the transposed view of a row-major (K, N) tensor (GPT-2's Conv1D, the backward's W^T).
+inline bool weight_is_transposed(const Tensor& W) {
+  return W.size(0) > 1 && W.size(1) > 1 ? (W.stride(0) == 1 && W.stride(1) == W.size(0)) : false;
+}
+
+// weight: (N, K) row-major or weight_is_transposed; bias: (N,) or None; N from U (N, r), K from x (M, K).
+inline void check_weight(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& U) {
+  check_like(weight, "weight", x);
+  BEM_CHECK(weight.dim() == 2 && weight.size(0) == U.size(0) && weight.size(1) == x.size(1),
+              "weight must be (N, K) = (", U.size(0), ", ", x.size(1), "), got ", weight.sizes());
+  BEM_CHECK(weight.is_contiguous() || weight_is_transposed(weight),
+              "weight must be row-major (N, K) or the transpose of a row-major (K, N) tensor; got strides ",
+              weight.strides());
+  if (bias.has_value()) {
+    check_like(*bias, "bias", x);
+    check_contiguous(*bias, "bias");
+    BEM_CHECK(bias->dim() == 1 && bias->size(0) == U.size(0), "bias must be (N,) = (", U.size(0),
+                ",), got ", bias->sizes());
+  }
+}
+
 inline at::ScalarType p_dtype(const Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
 inline cudaStream_t stream_now() { return c10::cuda::getCurrentCUDAStream().stream(); }
