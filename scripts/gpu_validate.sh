@@ -2,7 +2,7 @@
 # Whole-project run on a CUDA machine: build the extension once, then the requested steps, each with
 # its own time limit and log under $OUT; a one-line summary per step is printed last.
 # Usage: bash scripts/gpu_validate.sh [probe] [errors] [kernel-tests] [gpu-tests] [profile] [train] [breakdown] [prefill-breakdown]
-#        [bench] [bench-shapes] [mode-sweep] [backward-sweep] [sass] [ncu] [cpu-tests]   (bench-shapes reads
+#        [bench] [bench-shapes] [mode-sweep] [conv1d-sweep] [backward-sweep] [sass] [ncu] [cpu-tests]   (bench-shapes reads
 #        BENCH_SHAPES, e.g. 1x4096x4096x8,...; the sweeps read SWEEP_SHAPES the same way, or sweep their
 #        default shapes)
 set -o pipefail
@@ -37,6 +37,8 @@ for what in "$@"; do
     kernel-tests) step kernel_tests 200 python3 -m pytest -m gpu -q --maxfail=10 -p no:cacheprovider \
         tests/gpu/test_kernel_forward.py tests/gpu/test_kernel_backward.py tests/gpu/test_kernel_compile_graphs.py ;;
     mode-sweep) step mode_sweep 420 env PYTHONPATH=. python3 scripts/linear_mode_sweep.py ${SWEEP_SHAPES:+--shapes "$SWEEP_SHAPES"} ;;
+    conv1d-sweep) step conv1d_sweep 420 env PYTHONPATH=. python3 scripts/linear_mode_sweep.py --conv1d \
+        ${SWEEP_SHAPES:+--shapes "$SWEEP_SHAPES"} ;;
     backward-sweep) step backward_sweep 420 env PYTHONPATH=. python3 scripts/backward_sweep.py ${SWEEP_SHAPES:+--shapes "$SWEEP_SHAPES"} ;;
     bench-shapes) step bench_shapes 400 python3 -m bem.kernels.bench --shapes "$BENCH_SHAPES" --json "$OUT/bench.json" ;;
     sass) step sass 120 bash scripts/sass_summary.sh ;;

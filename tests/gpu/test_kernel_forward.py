@@ -313,12 +313,17 @@ fused_gemm = pytest.mark.skipif(
 )
 @pytest.mark.parametrize("tile_n", [128, 256])
 @pytest.mark.parametrize("mode", [6, 7])
-def test_gemm_with_the_update_inside_matches_float64(dtype, M, K, N, r, codes, bias, tile_n, mode):
+@pytest.mark.parametrize("transposed", [False, True])
+def test_gemm_with_the_update_inside_matches_float64(dtype, M, K, N, r, codes, bias, tile_n, mode, transposed):
     """Linear modes 6 (P computed inside) and 7 (s P ⊙ codes from cuBLAS and the scaling kernel first)
-    with 128- and 256-column tiles: odd M, N not a multiple of 128 or 256, K not a multiple of 64, ranks
-    padded to 8..64, with and without codes and bias, several tiles per block (M = 5000 and 6000); P
-    comes out too."""
-    x, W, b, V, c, U = operands(M, K, N, r, dtype, codes=codes, seed=stable_seed(M, K, N, r, str(dtype)))
+    with 128- and 256-column tiles, W row-major or the transposed view of a row-major (K, N) tensor
+    (GPT-2's Conv1D): odd M, N not a multiple of 128 or 256, K not a multiple of 64, ranks padded to
+    8..64, with and without codes and bias, several tiles per block (M = 5000 and 6000); P comes out too."""
+    seed = stable_seed(M, K, N, r, str(dtype), transposed)
+    x, W, b, V, c, U = operands(M, K, N, r, dtype, codes=codes, seed=seed)
+    if transposed:
+        W = W.t().contiguous().t()
+        assert not W.is_contiguous()
     b = b if bias else None
     ref = linear_ref64(x, W, b, V, c, U, 1.5)
     torch_err = rel_err(reference.bem_linear(x, W, b, V, c, U, 1.5), ref)
@@ -399,6 +404,28 @@ def test_gemm_given_the_projection_is_the_default_at_a_few_hundred_rows_from_ran
             ref = linear_ref64(x, W, b, V, c, U, 1.5)
             assert rel_err(auto, ref) <= bound(rel_err(reference.bem_linear(x, W, b, V, c, U, 1.5), ref),
                                                torch.bfloat16)
+
+
+@fused_gemm
+def test_conv1d_weights_take_the_fused_gemm_where_row_major_ones_do():
+    """Weights stored as GPT-2's Conv1D stores them (a row-major (K, N) tensor read transposed) get the same
+    default as row-major ones (bit-equal to the forced mode): mode 6 where the tiles fill the GPU and K x N
+    is small for the rank, mode 7 at a few hundred rows from rank 32 where the 128-column tiles fill half
+    of it, mode 3 where they do not (3072 x 768 at 700 rows: 36 tiles), for either layout."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cases = [(128 * sms // 3 + 129, 768, 768, 16, 6, True), (700, 768, 3072, 32, 7, True),
+             (700, 3072, 768, 32, 3, True), (700, 3072, 768, 32, 3, False), (4096, 1024, 4096, 8, 6, True)]
+    for M, K, N, r, expected, conv1d in cases:
+        x, W, b, V, c, U = operands(M, K, N, r, torch.bfloat16, codes=True, seed=stable_seed(M, K, N, r, conv1d))
+        if conv1d:
+            W = W.t().contiguous().t()
+        auto, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 0)
+        chosen, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, expected)
+        other, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 3 if expected != 3 else 7)
+        assert not torch.equal(chosen, other)
+        assert torch.equal(auto, chosen), f"M = {M}, K = {K}, N = {N}, r = {r}, Conv1D layout: {conv1d}"
+        ref = linear_ref64(x, W, b, V, c, U, 1.5)
+        assert rel_err(auto, ref) <= bound(rel_err(reference.bem_linear(x, W, b, V, c, U, 1.5), ref), torch.bfloat16)
 
 
 TMA_SHAPES = [(1, 64, 40, 8), (37, 136, 72, 16), (1000, 520, 264, 24), (2053, 1032, 1000, 32),

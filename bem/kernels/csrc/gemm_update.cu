@@ -1,6 +1,6 @@
 // Y = X W^T + b + s ((X V) ⊙ codes) U^T as one Hopper GEMM with the update inside (fp16/bf16, sm_90a).
 // Also the backward's dX = dY W + (s (dY U) ⊙ codes) V^T: the same GEMM given the scaled projection, with
-// the weight read transposed (W^T's tiles are N-major).
+// the weight read transposed (W^T's tiles are N-major); and either form for GPT-2's Conv1D weights.
 //
 // Where K x N is small (768 x 768: about 35 us for cuBLAS at M = 16384 on an H200) a separate update
 // pass costs more than half of the GEMM, most of it in reading and writing Y a second time; at a few
@@ -73,7 +73,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                        const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap u_map,
                        GemmUpdateParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(PIN || !WT, "a transposed weight takes s P ⊙ codes ready: V^T cannot ride along N-major tiles");
   using Lay = GemmLayout<RN, BN, PIN>;
   constexpr int kWtBoxBytes = 64 * kBK * 2;  // one box of a transposed weight's tile: 64 columns by kBK k-rows
   constexpr int RP = Lay::RP, kStages = Lay::stages;
@@ -150,18 +149,18 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int row = m0 + wg * 64 + wrow + g + 8 * ((i / 2) % 2), col = 8 * (i / 4) + 2 * c + i % 2;
       factor[i] = given == nullptr ? 1.f : (row < M && col < r ? to_acc(given[(size_t)row * r + col]) : 0.f);
     }
-    // Y columns 0-127 (256-column tiles only) and the tile's last 128 columns; acc1 also holds P = X V
-    // (V^T's rows follow W's in the stage, so one wgmma with N = 128 + RN covers both): one read of the
-    // X tile per step instead of two.
-    constexpr int kFirst = BN == 256 ? 64 : 1;  // acc0 is not used in 128-column tiles
+    // acc: Y's BN columns, then P = X V's RN; acc0 holds Y's first 128 columns (256-column tiles only),
+    // acc1 the last 128 and P. V^T's rows follow W's in the stage, so one wgmma with N = 128 + RN covers
+    // Y's last columns and P: one read of the X tile per step instead of two. A transposed W's tiles are
+    // N-major and V^T's rows K-major, so there P takes a wgmma of its own.
+    float acc[BN / 2 + PN / 2];
+    float (&acc0)[64] = *reinterpret_cast<float(*)[64]>(acc);
+    float (&acc1)[64 + PN / 2] = *reinterpret_cast<float(*)[64 + PN / 2]>(acc + BN / 2 - 64);
+    float (&acc1_y)[64] = *reinterpret_cast<float(*)[64]>(acc + BN / 2 - 64);
     // byte offset of the last 128 rows of W (or U) in a stage; of a transposed W's last two boxes alike
     constexpr unsigned kLast = (BN - 128) * 128;
-    float acc0[kFirst], acc1[64 + PN / 2];
-    float (&acc1_y)[64] = *reinterpret_cast<float(*)[64]>(acc1);
 #pragma unroll
-    for (int i = 0; i < kFirst; ++i) acc0[i] = 0.f;
-#pragma unroll
-    for (int i = 0; i < 64 + PN / 2; ++i) acc1[i] = 0.f;
+    for (int i = 0; i < BN / 2 + PN / 2; ++i) acc[i] = 0.f;
 
     for (int kt = 0; kt < k_tiles; ++kt, ++it) {
       wait_full(it);
@@ -174,7 +173,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         if constexpr (WT) {  // ... and 16 rows (2048 bytes) into each N-major box
           if constexpr (BN == 256)
             Wgmma<T, 128>::template ss<1>(acc0, da, wgmma_desc_sw128_n(w_base + ks * 2048, kWtBoxBytes));
-          Wgmma<T, 128>::template ss<1>(acc1, da, wgmma_desc_sw128_n(w_base + kLast + ks * 2048, kWtBoxBytes));
+          Wgmma<T, 128>::template ss<1>(acc1_y, da, wgmma_desc_sw128_n(w_base + kLast + ks * 2048, kWtBoxBytes));
+          if constexpr (PN > 0)
+            Wgmma<T, PN>::ss(*reinterpret_cast<float(*)[PN / 2]>(acc + BN / 2), da,
+                             wgmma_desc_sw128(w_base + Lay::w_bytes + ks * 32));
         } else {
           if constexpr (BN == 256) Wgmma<T, 128>::ss(acc0, da, wgmma_desc_sw128(w_base + ks * 32));
           Wgmma<T, 128 + PN>::ss(acc1, da, wgmma_desc_sw128(w_base + kLast + ks * 32));
@@ -254,7 +256,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (row < M && col < N) *reinterpret_cast<uint4*>(Y + (size_t)row * N + col) = out;
         }
     };
-    if constexpr (BN == 256) store(*reinterpret_cast<float(*)[64]>(acc0), n0);
+    if constexpr (BN == 256) store(acc0, n0);
     store(acc1_y, n0 + BN - 128);
   }
 #endif
@@ -295,9 +297,12 @@ cudaError_t launch_for_tile(const GemmUpdateArgs& a, cudaStream_t stream) {
 template <typename T, int RN>
 cudaError_t launch_for_rank(const GemmUpdateArgs& a, cudaStream_t stream) {
   const int tile_n = a.tile_n != 0 ? a.tile_n : gemm_update_tile_n(a.M, a.N, a.num_sms);
-  if (a.w_transposed)
+  if (a.w_transposed && a.Pc != nullptr)
     return tile_n == 128 ? launch_for_tile<T, RN, 128, true, true>(a, stream)
                          : launch_for_tile<T, RN, 256, true, true>(a, stream);
+  if (a.w_transposed)
+    return tile_n == 128 ? launch_for_tile<T, RN, 128, false, true>(a, stream)
+                         : launch_for_tile<T, RN, 256, false, true>(a, stream);
   if (a.Pc != nullptr)
     return tile_n == 128 ? launch_for_tile<T, RN, 128, true, false>(a, stream)
                          : launch_for_tile<T, RN, 256, true, false>(a, stream);
@@ -354,7 +359,7 @@ bool gemm_update_fits(const GemmUpdateArgs& a) {
   const long long tiles = gemm_update_tiles(a.M, a.N, 128);
   return (a.tile_n == 0 || a.tile_n == 128 || a.tile_n == 256) && a.M > 0 && a.K > 0 && a.K % 8 == 0 &&
          a.N % 8 == 0 && a.r >= 1 && a.r % 8 == 0 && a.r <= kGemmUpdateMaxRank && aligned16(a.X) &&
-         aligned16(a.W) && (a.Pc != nullptr || (a.Vt != nullptr && aligned16(a.Vt) && !a.w_transposed)) &&
+         aligned16(a.W) && (a.Pc != nullptr || (a.Vt != nullptr && aligned16(a.Vt))) &&
          aligned16(a.U) &&
          aligned16(a.Y) &&
          reinterpret_cast<uintptr_t>(a.bias) % 4 == 0 && tiles < INT32_MAX && a.num_sms > 0;

@@ -20,6 +20,11 @@ namespace {
 // (1.52x against 1.84x), once there are at least half as many 128 x 256 tiles as multiprocessors (768² at
 // M = 1024, 24 tiles: 2.61x against 2.25x). Beyond those its extra P columns cost more than the separate
 // update (4096² at r = 32: 1.19x against 1.14x; 2048² at r = 64: 1.38x against 1.25x).
+// The same limits, measured again for weights stored as GPT-2's Conv1D stores them (the tiles of W read
+// transposed), x F.linear of that layout: M = 16384, 768²: 1.22x against 1.52x (r = 8) and 1.77x (r = 32);
+// 768 x 3072: 1.14x against 1.33x; 3072 x 768: 1.11x against 1.26x; 1024 x 4096: 1.17x against 1.26x;
+// M = 4096, 768 x 3072: 1.18x against 1.39x; M = 1024, 1024 x 4096: 1.32x against 1.62x; ties at worst
+// (768 x 2304, M = 4096: 1.51x against 1.48x).
 int64_t gemm_update_max_kn(int64_t r) {
   if (r <= 8) return 4096 * 4096;
   if (r <= 32) return 2048 * 2048;
@@ -27,12 +32,12 @@ int64_t gemm_update_max_kn(int64_t r) {
 }
 
 // Whether the kernel takes these operands as they are (gemm_update_fits on the tensors, before anything
-// is allocated); a transposed weight only where s P ⊙ codes comes in ready (`projected`).
+// is allocated): a row-major weight, or the transpose of one.
 bool gemm_update_takes(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& V,
-                       const Tensor& U, bool projected = false) {
+                       const Tensor& U) {
   const int64_t K = x.size(1), N = U.size(0), r = V.size(1);
   return tensor_core_dtype(x) && K % 8 == 0 && N % 8 == 0 && r >= 1 && r % 8 == 0 && r <= kGemmUpdateMaxRank &&
-         (weight.is_contiguous() || (projected && weight_is_transposed(weight))) && aligned16(x.data_ptr()) &&
+         (weight.is_contiguous() || weight_is_transposed(weight)) && aligned16(x.data_ptr()) &&
          aligned16(weight.data_ptr()) &&
          aligned16(U.data_ptr()) && (!bias.has_value() || reinterpret_cast<uintptr_t>(bias->data_ptr()) % 4 == 0);
 }
@@ -67,7 +72,10 @@ GemmUpdateArgs gemm_update_args(const Tensor& x, const Tensor& weight, const Opt
 // above, where the separate update pass is a chain of short launches (4096², M = 512: r = 32 1.34x
 // against 1.55x, r = 64 1.38x against 1.65x; 2048 x 8192, r = 32: 1.25x against 1.63x; 4096 x 14336 and
 // 14336 x 4096 within 2%). At 256 rows it only tied, at rank 16 the clustered streaming update stays
-// ahead (M = 256: 1.49x against 1.79x), and from 1024 rows the default ties it.
+// ahead (M = 256: 1.49x against 1.79x), and from 1024 rows the default ties it. With fewer 128 x 128 tiles
+// than half the multiprocessors and a long K each tile's loop is too long a chain (Conv1D weights,
+// M = 512, r = 32: 3072 x 768, 24 tiles: 3.22x against 2.59x; 4096 x 1024, 32 tiles: 2.99x against
+// 2.25x), and where it still won there it won little (768², 24 tiles: 2.70x against 2.95x).
 constexpr int64_t kProjectedMinRows = 512, kProjectedMaxRows = 1023, kProjectedMinRank = 32;
 
 // Where the 256-column tiles would leave more than half the multiprocessors idle, the 128-column ones
@@ -89,7 +97,9 @@ GemmUpdateChoice gemm_update_choice(const Tensor& x, const Tensor& weight, const
   const bool narrow = !wide && r <= kNarrowMaxRank && K <= kNarrowMaxK &&
                       3 * gemm_update_tiles((int)M, (int)N, 128) >= 2LL * sms;
   if ((wide || narrow) && K * N <= gemm_update_max_kn(r)) return GemmUpdateChoice::kInside;
-  if (M >= kProjectedMinRows && M <= kProjectedMaxRows && r >= kProjectedMinRank) return GemmUpdateChoice::kProjected;
+  if (M >= kProjectedMinRows && M <= kProjectedMaxRows && r >= kProjectedMinRank &&
+      2 * gemm_update_tiles((int)M, (int)N, 128) >= sms)
+    return GemmUpdateChoice::kProjected;
   return GemmUpdateChoice::kNone;
 }
 
@@ -98,8 +108,8 @@ std::tuple<Tensor, Tensor> gemm_update_linear(const Tensor& x, const Tensor& wei
                                               bool projected, bool need_p, const Tensor* Vt, int64_t tile_n) {
   BEM_CHECK(sm90a_runs(x.get_device()), "the fused GEMM needs a compute capability 9.0 GPU and the ",
             "extension built for sm_90a (TORCH_CUDA_ARCH_LIST=9.0a)");
-  BEM_CHECK(gemm_update_takes(x, weight, bias, V, U, projected),
-            "the fused GEMM takes a row-major weight (or, given the projection, a transposed one), K, N and the "
+  BEM_CHECK(gemm_update_takes(x, weight, bias, V, U),
+            "the fused GEMM takes a row-major weight or the transpose of one, K, N and the "
             "rank multiples of 8, rank up to ",
             kGemmUpdateMaxRank, " and 16-byte aligned x, weight and U; got x ", x.sizes(), ", weight ",
             weight.sizes(), " strides ", weight.strides(), ", rank ", V.size(1));
@@ -125,7 +135,7 @@ bool gemm_update_given_takes(const Tensor& x, const Tensor& weight, const Tensor
       U.scalar_type() != x.scalar_type() || weight.device() != x.device() || U.device() != x.device())
     return false;
   const c10::cuda::CUDAGuard guard(x.device());
-  return gemm_update_takes(x, weight, c10::nullopt, U, U, /*projected=*/true) && sm90a_runs(x.get_device());
+  return gemm_update_takes(x, weight, c10::nullopt, U, U) && sm90a_runs(x.get_device());
 }
 
 // Where the backward's dX = dY W + (s G ⊙ codes) V^T from the fused GEMM (W read transposed) measured faster
@@ -170,7 +180,7 @@ Tensor gemm_update_given(const Tensor& x, const Tensor& weight, const OptTensor&
   BEM_CHECK(sm90a_runs(x.get_device()), "the fused GEMM needs a compute capability 9.0 GPU and the ",
             "extension built for sm_90a (TORCH_CUDA_ARCH_LIST=9.0a)");
   // The rank's checks read V's columns: U's (N, r) has them too.
-  BEM_CHECK(gemm_update_takes(x, weight, bias, U, U, /*projected=*/true),
+  BEM_CHECK(gemm_update_takes(x, weight, bias, U, U),
             "the fused GEMM takes a weight that is row-major (N, K) or the transpose of a row-major (K, N) "
             "tensor, K, N and the rank multiples of 8, rank up to ", kGemmUpdateMaxRank,
             " and 16-byte aligned x, weight and U; got x ", x.sizes(), ", weight ", weight.sizes(), " strides ",

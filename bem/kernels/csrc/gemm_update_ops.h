@@ -12,15 +12,17 @@ namespace bem {
 // The default dispatch's use of the GEMM (x: (M, K), 2-D), where it takes the operands and measured
 // faster: kInside (linear mode 6) where K x N is within the limit measured for the rank and the tiles fill
 // the GPU (128 x 256 ones at least half of it, or at r = 8 and K <= 4096 128 x 128 ones 2/3 of it);
-// kProjected (mode 7) at a few hundred rows from rank 32; kNone elsewhere.
+// kProjected (mode 7) at a few hundred rows from rank 32 where the 128 x 128 tiles fill half the GPU; kNone
+// elsewhere. The weight may be row-major or the transposed view of a row-major (K, N) tensor (GPT-2's
+// Conv1D): the same limits held for both layouts.
 enum class GemmUpdateChoice { kNone, kInside, kProjected };
 GemmUpdateChoice gemm_update_choice(const at::Tensor& x, const at::Tensor& weight,
                                     const c10::optional<at::Tensor>& bias, const at::Tensor& V, const at::Tensor& U);
 
 // (Y, P) with Y = x W^T + b + s ((x V) ⊙ codes) U^T from one GEMM; P = x V (float32) when need_p.
-// projected: cuBLAS computes P first and the GEMM adds (s P ⊙ codes) U^T (mode 7; the weight may also be the
-// transposed view of a row-major (K, N) tensor); otherwise the GEMM computes P itself from V^T (Vt, r x K
-// contiguous, or a copy made here when null; mode 6).
+// projected: cuBLAS computes P first and the GEMM adds (s P ⊙ codes) U^T (mode 7); otherwise the GEMM
+// computes P itself from V^T (Vt, r x K contiguous, or a copy made here when null; mode 6). Either takes a
+// row-major weight or the transposed view of a row-major (K, N) tensor.
 // tile_n: the tiles' columns, 128 or 256, or 0 to choose by shape. Refuses what it cannot take.
 std::tuple<at::Tensor, at::Tensor> gemm_update_linear(const at::Tensor& x, const at::Tensor& weight,
                                                       const c10::optional<at::Tensor>& bias, const at::Tensor& V,

@@ -146,12 +146,12 @@ cudaError_t launch_lowrank_grads_first(DType dtype, const LowRankGradArgs& args,
 cudaError_t launch_lowrank_grads_second(DType dtype, const LowRankGradArgs& args, cudaStream_t stream);
 
 // Y = X W^T + b + s * ((X V) ⊙ codes) U^T as one Hopper GEMM with the update inside (fp16/bf16, W
-// row-major N x K, Vt = V^T row-major r x K): gemm_update_fits says whether it takes the call (K, N and
+// row-major N x K or K x N, Vt = V^T row-major r x K): gemm_update_fits says whether it takes the call (K, N and
 // r multiples of 8, r <= kGemmUpdateMaxRank, X, W, Vt, U and Y 16-byte aligned, bias 4-byte aligned), gemm_update_supported
 // whether the build has its sm_90a code for the device. P (M x r fp32) is written when not null.
 struct GemmUpdateArgs {
   const void* X;
-  const void* W;  // N x K row-major, or K x N row-major where w_transposed (then Pc is required)
+  const void* W;  // N x K row-major, or K x N row-major where w_transposed
   bool w_transposed;
   const void* bias;
   const void* Vt;
