@@ -4,7 +4,7 @@
 # Usage: bash scripts/gpu_validate.sh [probe] [errors] [kernel-tests] [gpu-tests] [profile] [train] [breakdown] [prefill-breakdown]
 #        [bench] [bench-shapes] [mode-sweep] [conv1d-sweep] [backward-sweep] [sass] [ncu] [cpu-tests]   (bench-shapes reads
 #        BENCH_SHAPES, e.g. 1x4096x4096x8,...; the sweeps read SWEEP_SHAPES the same way, or sweep their
-#        default shapes)
+#        default shapes; prefill-breakdown reads BREAKDOWN_MODEL: llama-1b or gpt2)
 set -o pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -51,7 +51,8 @@ for what in "$@"; do
         --steps 6 --warmup 2 --rounds 2 --json "$OUT/train.json" ;;
     bench) step bench 480 python3 -m bem.kernels.bench --json "$OUT/bench.json" ;;
     breakdown) step breakdown 300 env PYTHONPATH=. python3 scripts/decode_breakdown.py ;;
-    prefill-breakdown) step prefill_breakdown 300 env PYTHONPATH=. python3 scripts/prefill_breakdown.py ;;
+    prefill-breakdown) step prefill_breakdown 300 env PYTHONPATH=. python3 scripts/prefill_breakdown.py \
+        ${BREAKDOWN_MODEL:+--model "$BREAKDOWN_MODEL"} ;;
     cpu-tests) step cpu_tests 300 python3 -m pytest -q -x -p no:cacheprovider tests --ignore=tests/gpu ;;
     *) echo "unknown step $what" >&2; exit 2 ;;
   esac

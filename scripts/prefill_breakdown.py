@@ -1,17 +1,22 @@
-"""Where a prefill forward's time goes: BEM vs the same model with BEM disabled (Llama-3.2-1B shapes,
-bf16, eager attention), at batch 1 and 4 over 1024 tokens. Per call: synchronised wall time, the host's
-time to issue the work (no sync), GPU busy time, the controller alone, and the top ops by device time."""
+"""Where a prefill forward's time goes: BEM vs the same model with BEM disabled (Llama-3.2-1B shapes, or
+GPT-2 small's with --model gpt2; bf16, eager attention), at batch 1 and 4 over 1024 tokens. Per call:
+synchronised wall time, the host's time to issue the work (no sync), GPU busy time, the controller
+alone, and the top ops by device time."""
 
+import argparse
 import statistics
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from breakdown_model import llama_1b_with_bem
+from breakdown_model import MODELS
 
-model = llama_1b_with_bem()
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--model", choices=sorted(MODELS), default="llama-1b")
+model = MODELS[parser.parse_args().model]()
 controller = model.controller
+vocab, width = model.config.vocab_size, model.config.hidden_size
 
 
 def prefill(ids, bem_on: bool):
@@ -34,7 +39,7 @@ end = time.perf_counter() + 1.0
 while time.perf_counter() < end:
     a @ a
 for batch in (1, 4):
-    ids = torch.randint(3, 32000, (batch, 1024), device="cuda")
+    ids = torch.randint(3, vocab, (batch, 1024), device="cuda")
     hidden = model.get_input_embeddings()(ids)
     for _ in range(3):
         prefill(ids, False), prefill(ids, True)
@@ -61,7 +66,7 @@ for batch in (1, 4):
         if on:
             print(events.table(sort_by="self_device_time_total", row_limit=16, max_name_column_width=60))
 
-ids = torch.randint(3, 32000, (1, 1024), device="cuda")
+ids = torch.randint(3, vocab, (1, 1024), device="cuda")
 hidden = model.get_input_embeddings()(ids)
 with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
     for _ in range(5):
@@ -74,7 +79,7 @@ graphs = controller.graphs
 from bem.modules.controller_graphs import FORWARD_MAX_CODE_VALUES  # noqa: E402
 
 tokens = FORWARD_MAX_CODE_VALUES // (controller.num_modules * controller.rank)
-hidden = torch.randn(1, tokens, 2048, device="cuda", dtype=torch.bfloat16)
+hidden = torch.randn(1, tokens, width, device="cuda", dtype=torch.bfloat16)
 with torch.inference_mode():
     controller(hidden)
     torch.cuda.synchronize()

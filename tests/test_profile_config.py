@@ -29,6 +29,18 @@ def test_llama_1b_config_matches_the_issue_model():
     assert config.max_overhead == 0.15
 
 
+def test_gpt2_config_has_gpt2_small_shapes_and_loads():
+    config = load_profile_config(REPO / "configs" / "profile_gpt2.yaml")
+    hf = config.model.config
+    assert hf["model_type"] == "gpt2" and (hf["n_embd"], hf["n_layer"], hf["n_head"], hf["n_inner"]) == (768, 12, 12, 3072)
+    assert config.model.dtype == "bfloat16" and config.device == "cuda"
+    bem = config.bem_config()
+    assert bem.rank == 8 and bem.attach_mlp and bem.attach_attention and bem.attach_qkv
+    assert all(batch * length <= 8192 and length <= hf["n_positions"] for batch, length in config.prefill.shapes)
+    assert config.decode.prompt_length + config.decode.new_tokens <= hf["n_positions"]
+    assert config.train.sequence_length <= hf["n_positions"]
+
+
 def _write(tmp_path: Path, data: dict) -> Path:
     path = tmp_path / "profile.yaml"
     path.write_text(yaml.safe_dump(data))
