@@ -35,7 +35,8 @@ for what in "$@"; do
     gpu-tests) step gpu_tests 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu \
         --ignore=tests/gpu/test_kernel_errors.py ;;
     kernel-tests) step kernel_tests 200 python3 -m pytest -m gpu -q --maxfail=10 -p no:cacheprovider \
-        tests/gpu/test_kernel_forward.py tests/gpu/test_kernel_backward.py tests/gpu/test_kernel_compile_graphs.py ;;
+        tests/gpu/test_kernel_forward.py tests/gpu/test_fused_gemm.py tests/gpu/test_kernel_backward.py \
+        tests/gpu/test_kernel_compile_graphs.py ;;
     mode-sweep) step mode_sweep 420 env PYTHONPATH=. python3 scripts/linear_mode_sweep.py ${SWEEP_SHAPES:+--shapes "$SWEEP_SHAPES"} ;;
     conv1d-sweep) step conv1d_sweep 420 env PYTHONPATH=. python3 scripts/linear_mode_sweep.py --conv1d \
         ${SWEEP_SHAPES:+--shapes "$SWEEP_SHAPES"} ;;

@@ -4,9 +4,22 @@ from __future__ import annotations
 
 import zlib
 
+import pytest
 import torch
 
-from bem.kernels import reference
+from bem.kernels import custom_ops, ops, reference
+
+fused_gemm = pytest.mark.skipif(
+    not ops.KERNELS_AVAILABLE or not custom_ops._C.fused_gemm_available(),
+    reason="the GEMM with the update inside needs a compute capability 9.0 GPU and an sm_90a build",
+)
+
+
+def conv1d_layout(W: torch.Tensor) -> torch.Tensor:
+    """W (N, K) as GPT-2's Conv1D holds it: the transposed view of a row-major (K, N) tensor."""
+    view = W.t().contiguous().t()
+    assert not view.is_contiguous() or min(W.shape) == 1
+    return view
 
 
 def stable_seed(*parts) -> int:

@@ -7,7 +7,8 @@ import torch
 
 from bem.kernels import custom_ops, ops, reference
 
-from .kernel_helpers import bound, linear_ref64, operands, poison_allocator, rel_err, stable_seed, update_ref64
+from .kernel_helpers import (bound, conv1d_layout, fused_gemm, linear_ref64, operands, poison_allocator, rel_err,
+                             stable_seed, update_ref64)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -45,7 +46,7 @@ def test_bem_linear_matches_float64(dtype, M, K, N, r, transposed):
     seed = stable_seed(M, K, N, r, transposed, str(dtype))
     x, W, b, V, c, U = operands(M, K, N, r, dtype, codes=True, seed=seed)
     if transposed:  # GPT-2 Conv1D stores (K, N); the caller passes the (N, K) view
-        W = W.t().contiguous().t()
+        W = conv1d_layout(W)
     bias = b if r != 24 else None
     ref = linear_ref64(x, W, bias, V, c, U, 2.0)
     torch_err = rel_err(reference.bem_linear(x, W, bias, V, c, U, 2.0), ref)
@@ -295,137 +296,6 @@ def test_autocast_runs_the_kernel_in_the_autocast_dtype():
     assert out.dtype == torch.bfloat16
     ref = update_ref64(x, V, c, U, 1.0)
     assert rel_err(out, ref) < 2e-2
-
-
-fused_gemm = pytest.mark.skipif(
-    not ops.KERNELS_AVAILABLE or not custom_ops._C.fused_gemm_available(),
-    reason="the GEMM with the update inside needs a compute capability 9.0 GPU and an sm_90a build",
-)
-
-
-@fused_gemm
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(
-    "M,K,N,r,codes,bias",
-    [(1, 8, 8, 8, False, False), (129, 64, 136, 16, True, False), (1000, 776, 904, 8, True, True),
-     (777, 768, 768, 64, False, True), (300, 2056, 1032, 40, True, True), (5000, 768, 776, 24, True, True),
-     (6000, 3072, 768, 32, True, True), (515, 1032, 1160, 56, True, True)],
-)
-@pytest.mark.parametrize("tile_n", [128, 256])
-@pytest.mark.parametrize("mode", [6, 7])
-@pytest.mark.parametrize("transposed", [False, True])
-def test_gemm_with_the_update_inside_matches_float64(dtype, M, K, N, r, codes, bias, tile_n, mode, transposed):
-    """Linear modes 6 (P computed inside) and 7 (s P ⊙ codes from cuBLAS and the scaling kernel first)
-    with 128- and 256-column tiles, W row-major or the transposed view of a row-major (K, N) tensor
-    (GPT-2's Conv1D): odd M, N not a multiple of 128 or 256, K not a multiple of 64, ranks padded to
-    8..64, with and without codes and bias, several tiles per block (M = 5000 and 6000); P comes out too."""
-    seed = stable_seed(M, K, N, r, str(dtype), transposed)
-    x, W, b, V, c, U = operands(M, K, N, r, dtype, codes=codes, seed=seed)
-    if transposed:
-        W = W.t().contiguous().t()
-        assert not W.is_contiguous()
-    b = b if bias else None
-    ref = linear_ref64(x, W, b, V, c, U, 1.5)
-    torch_err = rel_err(reference.bem_linear(x, W, b, V, c, U, 1.5), ref)
-    poison_allocator(x.device, M * N + M * r)
-    y, P = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, mode, gemm_tile_n=tile_n)
-    assert rel_err(y, ref) <= bound(torch_err, dtype)
-    assert P.dtype == torch.float32 and rel_err(P, x.double() @ V.double()) < 1e-5
-    y2, P2 = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, mode, 0, False, gemm_tile_n=tile_n)
-    assert P2 is None and torch.equal(y, y2)
-
-
-@fused_gemm
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(
-    "M,K,N,r,bias",
-    [(1, 8, 8, 8, False), (129, 64, 136, 16, False), (1000, 776, 904, 8, True), (777, 768, 768, 64, True),
-     (300, 2056, 1032, 40, False), (5000, 768, 776, 24, True), (515, 1032, 1160, 56, True)],
-)
-@pytest.mark.parametrize("tile_n", [128, 256])
-@pytest.mark.parametrize("transposed", [False, True])
-def test_gemm_given_the_projection_matches_float64(dtype, M, K, N, r, bias, tile_n, transposed):
-    """`gemm_update_given`: Y = x W^T + b + Pc U^T from the fused GEMM, with W row-major or read transposed
-    (the transposed view of a row-major (K, N) tensor: GPT-2's Conv1D, and W^T in the backward's
-    dX = dY W), 128- and 256-column tiles; odd M, N not a multiple of 64, K not a multiple of 64, several
-    tiles per block (M = 5000). With a transposed weight, linear mode 7 takes it too."""
-    seed = stable_seed(M, K, N, r, str(dtype), transposed)
-    x, W, b, V, c, U = operands(M, K, N, r, dtype, codes=True, seed=seed)
-    if transposed:
-        W = W.t().contiguous().t()
-        assert not W.is_contiguous()
-    b = b if bias else None
-    Pc = (0.5 * torch.randn(M, r, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed))).to(dtype)
-    ref = x.double() @ W.double().t() + Pc.double() @ U.double().t() + (0 if b is None else b.double())
-    torch_err = rel_err(torch.nn.functional.linear(x, W, b) + Pc @ U.t(), ref)
-    poison_allocator(x.device, M * N)
-    y = custom_ops._C.gemm_update_given(x, W, b, Pc, U, tile_n)
-    assert y.shape == (M, N) and rel_err(y, ref) <= bound(torch_err, dtype)
-    if transposed:
-        ref = linear_ref64(x, W, b, V, c, U, 1.5)
-        poison_allocator(x.device, M * N + M * r)
-        y, P = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 7, gemm_tile_n=tile_n)
-        assert rel_err(y, ref) <= bound(rel_err(reference.bem_linear(x, W, b, V, c, U, 1.5), ref), dtype)
-        assert P.dtype == torch.float32 and rel_err(P, x.double() @ V.double()) < 1e-5
-
-
-@fused_gemm
-def test_gemm_with_the_update_inside_is_the_default_where_it_measured_faster():
-    """Where its tiles fill at least half the GPU and K x N is small for the rank, the default dispatch is
-    linear mode 6 (bit-equal): 768² at r = 16, 4096² at r = 8, and with 128-column tiles 2048² at r = 8
-    and 1024 rows (128 tiles); not 768² with 1024 rows (24 tiles), 4096² at r = 32, 2048² at 512 rows
-    (64 tiles of 128 columns) or at r = 16."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for M, K, r, expected in ((128 * sms // 3 + 129, 768, 16, True), (1024, 768, 16, False),
-                              (128 * sms // 32 + 200, 4096, 8, True), (2048, 4096, 32, False),
-                              (1024, 2048, 8, True), (512, 2048, 8, False), (1024, 2048, 16, False)):
-        x, W, b, V, c, U = operands(M, K, K, r, torch.bfloat16, codes=True, seed=7)
-        auto, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 0)
-        fused, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 6)
-        other, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 3)
-        assert not torch.equal(fused, other)
-        assert torch.equal(auto, fused if expected else other), f"M = {M}, K = N = {K}, r = {r}"
-
-
-@fused_gemm
-def test_gemm_given_the_projection_is_the_default_at_a_few_hundred_rows_from_rank_32():
-    """From 512 to 1023 rows at r >= 32, where mode 6 does not suit, the default is linear mode 7
-    (bit-equal, and within the float64 bound): 4096² at r = 32 and 64, 2048 x 8192 at r = 32; not at 511
-    or 1024 rows, nor at r = 16 (linear mode 3 there)."""
-    for M, K, N, r, expected in ((512, 4096, 4096, 32, 7), (1023, 4096, 4096, 64, 7), (700, 2048, 8192, 32, 7),
-                                 (511, 4096, 4096, 32, 3), (1024, 4096, 4096, 32, 3), (600, 4096, 4096, 16, 3)):
-        x, W, b, V, c, U = operands(M, K, N, r, torch.bfloat16, codes=True, seed=stable_seed(M, K, N, r))
-        auto, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 0)
-        chosen, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, expected)
-        other, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 3 if expected == 7 else 7)
-        assert not torch.equal(chosen, other)
-        assert torch.equal(auto, chosen), f"M = {M}, K = {K}, N = {N}, r = {r}"
-        if expected == 7:
-            ref = linear_ref64(x, W, b, V, c, U, 1.5)
-            assert rel_err(auto, ref) <= bound(rel_err(reference.bem_linear(x, W, b, V, c, U, 1.5), ref),
-                                               torch.bfloat16)
-
-
-@fused_gemm
-def test_conv1d_weights_take_the_fused_gemm_where_row_major_ones_do():
-    """Weights stored as GPT-2's Conv1D stores them (a row-major (K, N) tensor read transposed) get the same
-    default as row-major ones (bit-equal to the forced mode): mode 6 where the tiles fill the GPU and K x N
-    is small for the rank, mode 7 at a few hundred rows from rank 32 where the 128-column tiles fill half
-    of it, mode 3 where they do not (3072 x 768 at 700 rows: 36 tiles), for either layout."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cases = [(128 * sms // 3 + 129, 768, 768, 16, 6, True), (700, 768, 3072, 32, 7, True),
-             (700, 3072, 768, 32, 3, True), (700, 3072, 768, 32, 3, False), (4096, 1024, 4096, 8, 6, True)]
-    for M, K, N, r, expected, conv1d in cases:
-        x, W, b, V, c, U = operands(M, K, N, r, torch.bfloat16, codes=True, seed=stable_seed(M, K, N, r, conv1d))
-        if conv1d:
-            W = W.t().contiguous().t()
-        auto, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 0)
-        chosen, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, expected)
-        other, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 3 if expected != 3 else 7)
-        assert not torch.equal(chosen, other)
-        assert torch.equal(auto, chosen), f"M = {M}, K = {K}, N = {N}, r = {r}, Conv1D layout: {conv1d}"
-        ref = linear_ref64(x, W, b, V, c, U, 1.5)
-        assert rel_err(auto, ref) <= bound(rel_err(reference.bem_linear(x, W, b, V, c, U, 1.5), ref), torch.bfloat16)
 
 
 TMA_SHAPES = [(1, 64, 40, 8), (37, 136, 72, 16), (1000, 520, 264, 24), (2053, 1032, 1000, 32),
