@@ -42,6 +42,18 @@ bool gemm_update_takes(const Tensor& x, const Tensor& weight, const OptTensor& b
          aligned16(U.data_ptr()) && (!bias.has_value() || reinterpret_cast<uintptr_t>(bias->data_ptr()) % 4 == 0);
 }
 
+// Refuses, by name, what the GEMM cannot run: a device or build without the sm_90a code, or operands
+// gemm_update_takes does not take (the rank read from V, or from U where s P ⊙ codes comes ready).
+void check_gemm_takes(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& V,
+                      const Tensor& U) {
+  BEM_CHECK(sm90a_runs(x.get_device()), "the fused GEMM needs a compute capability 9.0 GPU and the ",
+            "extension built for sm_90a (TORCH_CUDA_ARCH_LIST=9.0a)");
+  BEM_CHECK(gemm_update_takes(x, weight, bias, V, U),
+            "the fused GEMM takes a row-major weight or the transpose of one, K, N and the rank multiples of 8, "
+            "rank up to ", kGemmUpdateMaxRank, " and 16-byte aligned x, weight and U; got x ", x.sizes(),
+            ", weight ", weight.sizes(), " strides ", weight.strides(), ", rank ", V.size(1));
+}
+
 // Vt (with codes, and P to write) where the GEMM computes P itself, else Pc = s P ⊙ codes computed before.
 GemmUpdateArgs gemm_update_args(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor* Vt,
                                 const OptTensor& codes, const Tensor* Pc, const Tensor& U, Tensor& Y,
@@ -106,13 +118,7 @@ GemmUpdateChoice gemm_update_choice(const Tensor& x, const Tensor& weight, const
 std::tuple<Tensor, Tensor> gemm_update_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias,
                                               const Tensor& V, const OptTensor& codes, const Tensor& U, double scale,
                                               bool projected, bool need_p, const Tensor* Vt, int64_t tile_n) {
-  BEM_CHECK(sm90a_runs(x.get_device()), "the fused GEMM needs a compute capability 9.0 GPU and the ",
-            "extension built for sm_90a (TORCH_CUDA_ARCH_LIST=9.0a)");
-  BEM_CHECK(gemm_update_takes(x, weight, bias, V, U),
-            "the fused GEMM takes a row-major weight or the transpose of one, K, N and the "
-            "rank multiples of 8, rank up to ",
-            kGemmUpdateMaxRank, " and 16-byte aligned x, weight and U; got x ", x.sizes(), ", weight ",
-            weight.sizes(), " strides ", weight.strides(), ", rank ", V.size(1));
+  check_gemm_takes(x, weight, bias, V, U);
   const int64_t M = x.size(0), N = U.size(0), r = V.size(1);
   Tensor Y = at::empty({M, N}, x.options());
   if (projected) {
@@ -177,14 +183,7 @@ Tensor gemm_update_given(const Tensor& x, const Tensor& weight, const OptTensor&
   BEM_CHECK(M >= 1 && M < INT_MAX && K < INT_MAX && N < INT_MAX, "dimensions must be 1 .. 2^31 - 1, got x ",
             x.sizes(), " and U ", U.sizes());
   const c10::cuda::CUDAGuard guard(x.device());
-  BEM_CHECK(sm90a_runs(x.get_device()), "the fused GEMM needs a compute capability 9.0 GPU and the ",
-            "extension built for sm_90a (TORCH_CUDA_ARCH_LIST=9.0a)");
-  // The rank's checks read V's columns: U's (N, r) has them too.
-  BEM_CHECK(gemm_update_takes(x, weight, bias, U, U),
-            "the fused GEMM takes a weight that is row-major (N, K) or the transpose of a row-major (K, N) "
-            "tensor, K, N and the rank multiples of 8, rank up to ", kGemmUpdateMaxRank,
-            " and 16-byte aligned x, weight and U; got x ", x.sizes(), ", weight ", weight.sizes(), " strides ",
-            weight.strides(), ", rank ", r);
+  check_gemm_takes(x, weight, bias, U, U);  // the rank's checks read V's columns: U's (N, r) has them too
   Tensor Y = at::empty({M, N}, x.options());
   const GemmUpdateArgs args = gemm_update_args(x, weight, bias, nullptr, c10::nullopt, &Pc, U, Y, Tensor(), 1.0, tile_n);
   C10_CUDA_CHECK(launch_gemm_update(dtype_of(x), args, stream_now()));
