@@ -1,4 +1,5 @@
-"""Benchmark of the BEM linear: `python -m bem.kernels.bench [--quick] [--json FILE]`.
+"""Benchmark of the BEM linear: `python -m bem.kernels.bench [--quick] [--json FILE]`
+(`--fftconv` and `--mlstm` run the sequence mixers' kernel benchmarks instead).
 
 For each shape, in one process and interleaved: plain `F.linear`, the PEFT-style LoRA pattern
 (`F.linear(x, W, b) + (x A^T) B^T * s`), the BEM reference path, and the fused kernels (the default
@@ -249,6 +250,15 @@ def _parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for flag, family in (("--fftconv", "fftconv"), ("--mlstm", "mlstm")):
+        if flag in argv:  # the sequence mixers' kernels have benchmarks of their own
+            argv.remove(flag)
+            from importlib import import_module
+
+            return import_module(f"bem.kernels.{family}.bench").main(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a handful of shapes")
     parser.add_argument("--shapes", type=_parse_shapes, help="comma-separated MxKxNxR, e.g. 1x4096x4096x8,16384x4096x4096x32")

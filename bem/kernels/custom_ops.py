@@ -24,26 +24,42 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import Tensor
 
-from .loader import load_extension
+from . import loader
 
-_C: Optional[ModuleType] = load_extension()
+
+def __getattr__(name: str):
+    # `_C`, the extension or None, is looked up on first use, never at import; once found it is a plain
+    # module attribute, so the hot path reads it at the cost of any attribute.
+    if name == "_C":
+        found = loader.extension()
+        globals()["_C"] = found
+        return found
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def extension() -> Optional[ModuleType]:
+    """The extension module or None (looked up on the first call)."""
+    found = globals().get("_C", loader._NOT_LOOKED)
+    return __getattr__("_C") if found is loader._NOT_LOOKED else found
 
 
 def decode_max_tokens() -> int:
     """Most tokens the one-launch decode kernel takes (0 without the extension)."""
-    return int(getattr(_C, "DECODE_MAX_TOKENS", 0)) if _C is not None else 0
+    found = extension()
+    return int(getattr(found, "DECODE_MAX_TOKENS", 0)) if found is not None else 0
 
 
 def decode_auto_max_tokens() -> int:
     """Most tokens for which the fused linear picks the one-launch decode kernel by itself; above that it
     runs the prefill compositions (some of whose kernels read V^T)."""
-    return int(getattr(_C, "DECODE_AUTO_MAX_TOKENS", 16))
+    return int(getattr(extension(), "DECODE_AUTO_MAX_TOKENS", 16))
 
 
 def _extension() -> ModuleType:
-    if _C is None:
+    found = extension()
+    if found is None:
         raise RuntimeError("the BEM CUDA extension is not loaded; bem.kernels.ops routes such calls to the reference")
-    return _C
+    return found
 
 
 def _p_dtype(x: Tensor) -> torch.dtype:

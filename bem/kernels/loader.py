@@ -1,12 +1,16 @@
 """Finds the CUDA extension `bem._C`: the one `setup.py` built, else a just-in-time build (cached by
 torch under ~/.cache/torch_extensions), else nothing, and then every op runs the PyTorch reference.
 
+Nothing is loaded or compiled at `import bem`: `extension()` looks once, on the first kernel use (or when
+a wrapped model is on a CUDA device), and keeps the answer.
+
 Environment: `BEM_JIT=0` skips the just-in-time build; `BEM_DISABLE_KERNELS=1` ignores the extension.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -36,6 +40,9 @@ def _jit_build() -> ModuleType:
     arch_list = _jit_arch_list()
     if arch_list is not None:
         os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
+    print("BEM: compiling the CUDA kernels just in time (first use on this machine; a few minutes, then cached "
+          "under ~/.cache/torch_extensions; `pip install --no-build-isolation -e .` builds them ahead)",
+          file=sys.stderr, flush=True)
     return load(
         name="bem_C_jit",
         sources=[str(CSRC / name) for name in SOURCES],
@@ -71,3 +78,15 @@ def load_extension() -> Optional[ModuleType]:
             stacklevel=2,
         )
         return None
+
+
+_NOT_LOOKED = object()
+_found: object = _NOT_LOOKED
+
+
+def extension() -> Optional[ModuleType]:
+    """`load_extension()`, run once per process: the first call may build, later calls are a lookup."""
+    global _found
+    if _found is _NOT_LOOKED:
+        _found = load_extension()
+    return _found  # type: ignore[return-value]

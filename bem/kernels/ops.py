@@ -14,8 +14,22 @@ import torch
 
 from . import custom_ops, reference
 
-# True when the CUDA extension `bem._C` (prebuilt or just-in-time) loaded.
-KERNELS_AVAILABLE: bool = custom_ops._C is not None
+
+
+def __getattr__(name: str):
+    # KERNELS_AVAILABLE: True when the CUDA extension `bem._C` (prebuilt or just-in-time) loaded. Looked
+    # up on first read, which may build the extension, so never at import.
+    if name == "KERNELS_AVAILABLE":
+        available = custom_ops.extension() is not None
+        globals()["KERNELS_AVAILABLE"] = available
+        return available
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def kernels_available() -> bool:
+    """`KERNELS_AVAILABLE`, read through the module so that a value set on it (tests) is what counts."""
+    found = globals().get("KERNELS_AVAILABLE")
+    return __getattr__("KERNELS_AVAILABLE") if found is None else found
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # BEM_FUSED_TRAINING=0: autograd at prefill sizes takes the reference path (cuBLAS forward and backward).
@@ -72,10 +86,10 @@ def fused_unavailable_reason(
     """None when the fused kernels take this call, else why the reference runs instead."""
     if not use_fused:
         return "use_fused is False"
-    if not KERNELS_AVAILABLE:
-        return "the CUDA extension bem._C is not loaded"
     if x.device.type != "cuda":
         return f"the tensors are on {x.device}, the kernels run on CUDA"
+    if not kernels_available():
+        return "the CUDA extension bem._C is not loaded"
     if _autocast_dtype(x) is None and x.dtype not in FUSED_DTYPES:
         return f"dtype {x.dtype} has no kernel"
     if V.shape[1] > MAX_FUSED_RANK:
@@ -136,7 +150,7 @@ def _inference_call(x: torch.Tensor, V: torch.Tensor) -> bool:
     checks every operand itself before anything runs, and refuses with ValueError what it does not take
     as it is."""
     return (
-        custom_ops._C is not None and x.is_cuda and not torch.is_grad_enabled()
+        x.is_cuda and custom_ops._C is not None and not torch.is_grad_enabled()
         and not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cuda")
         and x.dtype in FUSED_DTYPES and V.shape[-1] <= MAX_FUSED_RANK
     )

@@ -18,6 +18,10 @@
 #include "torch_checks.h"
 
 namespace bem {
+// Each further op family binds its functions from its own file (fftconv_bindings.cpp, mlstm_bindings.cpp).
+void bind_fftconv(pybind11::module_& m);
+void bind_mlstm(pybind11::module_& m);
+
 namespace {
 
 // How bem_linear_forward composes x W^T with the update (mode argument; 0 picks by shape).
@@ -384,4 +388,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("DECODE_MAX_TOKENS") = bem::kDecodeMaxTokens;
   m.attr("DECODE_AUTO_MAX_TOKENS") = bem::kDecodeAutoMaxTokens;
   m.attr("MAX_FUSED_RANK") = bem::kMaxFusedRank;
+  bem::bind_fftconv(m);
+  bem::bind_mlstm(m);
 }
