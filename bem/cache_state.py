@@ -1,31 +1,87 @@
-"""The routing state rides on the KV cache object, so it follows the cache wherever `generate` takes it.
+"""State that rides on the KV cache object, so it follows the cache wherever `generate` takes it.
 
-`Cache` methods that reorder, select, repeat, crop or reset rows are wrapped once (at import) so that
-a cache carrying a BEM routing state transforms that state the same way. Caches without a state
-behave exactly as before. Wrapping the classes, not each cache instance, keeps the model's forward
-free of method patching, which `torch.compile` cannot trace.
+What BEM keeps between calls of one sequence (the routing state, each sequence mixer's decode state) is a set
+of named parts, each implementing the small `CarriedState` protocol. They travel together as one `CacheState`
+stored on the cache. `Cache` methods that reorder, select, repeat, crop or reset rows are wrapped once (at
+import of this module's `install`) so that a cache carrying a state transforms every part the same way:
+beam search, static caches and CUDA-graph capture treat the routing state and the mixers' states alike.
+Caches without a state behave exactly as before. Wrapping the classes, not each cache instance, keeps the
+model's forward free of method patching, which `torch.compile` cannot trace.
+
+No part can be rewound, so a cache that carries a state reports `is_croppable = False` (transformers then
+refuses assisted decoding cleanly), and `crop` (under either of transformers' conventions) drops the state:
+a later call that continues the cropped cache is refused instead of routed with stale state.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
-from .modules.controller import RoutingState
+import torch
 
-STATE_ATTR = "_bem_routing_state"
-_WRAPPED_FLAG = "_bem_wraps_routing_state"
+STATE_ATTR = "_bem_cache_state"
+_WRAPPED_FLAG = "_bem_wraps_cache_state"
 
 
-def get_state(cache: Any) -> Optional[RoutingState]:
+@runtime_checkable
+class CarriedState(Protocol):
+    """Per-row state of a sequence that rides on the cache; every tensor's first dimension is the batch."""
+
+    def index_select(self, index: torch.Tensor) -> "CarriedState":
+        """Rows reordered or selected (beam search), as a new state."""
+
+    def repeat_interleave(self, repeats: int) -> "CarriedState":
+        """Each row repeated (expanding a prompt to beams or samples), as a new state."""
+
+    def copy_from(self, other: "CarriedState") -> None:
+        """Overwrite this state's tensors with another's, in place (CUDA-graph replays read fixed addresses)."""
+
+
+@dataclass
+class CacheState:
+    """Every part BEM carries on one cache: "routing" and "mixer.<block>" by name.
+
+    `seen_tokens` counts the positions processed, padding included, so that a cache changed behind BEM's back
+    is caught; None where it was advanced inside `torch.compile` (a Python int there would be a guard that
+    recompiles every step), and then it is not checked."""
+
+    parts: dict[str, CarriedState] = field(default_factory=dict)
+    seen_tokens: Optional[int] = 0
+
+    @property
+    def batch_size(self) -> Optional[int]:
+        for part in self.parts.values():
+            size = getattr(part, "batch_size", None)
+            if size is not None:
+                return size
+        return None
+
+    def index_select(self, index: torch.Tensor) -> "CacheState":
+        return CacheState({name: part.index_select(index) for name, part in self.parts.items()}, self.seen_tokens)
+
+    def repeat_interleave(self, repeats: int) -> "CacheState":
+        return CacheState({name: part.repeat_interleave(repeats) for name, part in self.parts.items()},
+                          self.seen_tokens)
+
+    def copy_from(self, other: "CacheState") -> None:
+        if set(other.parts) != set(self.parts):
+            raise ValueError(f"cannot copy BEM cache state with parts {sorted(other.parts)} into {sorted(self.parts)}")
+        for name, part in self.parts.items():
+            part.copy_from(other.parts[name])
+        self.seen_tokens = other.seen_tokens
+
+
+def get_state(cache: Any) -> Optional[CacheState]:
     return getattr(cache, STATE_ATTR, None) if cache is not None else None
 
 
-def set_state(cache: Any, state: Optional[RoutingState]) -> None:
+def set_state(cache: Any, state: Optional[CacheState]) -> None:
     setattr(cache, STATE_ATTR, state)
 
 
-def _follow(method: Callable, transform: Callable[[RoutingState, Any], Optional[RoutingState]]) -> Callable:
+def _follow(method: Callable, transform: Callable[[CacheState, Any], Optional[CacheState]]) -> Callable:
     @functools.wraps(method)
     def wrapper(self, *args: Any, **kwargs: Any) -> Any:
         result = method(self, *args, **kwargs)
@@ -38,15 +94,28 @@ def _follow(method: Callable, transform: Callable[[RoutingState, Any], Optional[
     return wrapper
 
 
-_TRANSFORMS: dict[str, Callable[[RoutingState, Any], Optional[RoutingState]]] = {
+_TRANSFORMS: dict[str, Callable[[CacheState, Any], Optional[CacheState]]] = {
     "reorder_cache": lambda state, index: state.index_select(index),  # beam search
     "batch_select_indices": lambda state, index: state.index_select(index),
     "batch_repeat_interleave": lambda state, repeats: state.repeat_interleave(repeats),
-    # the routing state cannot be rewound: a cropped cache must not be continued with stale codes
+    # no part can be rewound: a cropped cache must not be continued with a stale state
     "crop": lambda state, _: None,
     # a reset (reused) cache starts a new sequence
     "reset": lambda state, _: None,
 }
+
+
+def _not_croppable_with_state(original: Any) -> property:
+    """`is_croppable` that is False while a state rides on the cache, else what the class said."""
+
+    def is_croppable(self) -> bool:
+        if get_state(self) is not None:
+            return False
+        return original.fget(self) if isinstance(original, property) else bool(original)
+
+    prop = property(is_croppable)
+    setattr(prop.fget, _WRAPPED_FLAG, True)
+    return prop
 
 
 def _all_subclasses(cls: type) -> list[type]:
@@ -57,7 +126,7 @@ def _all_subclasses(cls: type) -> list[type]:
 
 
 def install() -> None:
-    """Wrap the row-changing methods of transformers' cache classes (idempotent)."""
+    """Wrap the row-changing methods and `is_croppable` of transformers' cache classes (idempotent)."""
     from transformers import cache_utils
 
     for cls in _all_subclasses(cache_utils.Cache):
@@ -66,3 +135,8 @@ def install() -> None:
             if method is None or getattr(method, _WRAPPED_FLAG, False):
                 continue
             setattr(cls, name, _follow(method, transform))
+        croppable = cls.__dict__.get("is_croppable")
+        if croppable is not None or cls is cache_utils.Cache:
+            if isinstance(croppable, property) and getattr(croppable.fget, _WRAPPED_FLAG, False):
+                continue
+            setattr(cls, "is_croppable", _not_croppable_with_state(croppable if croppable is not None else True))

@@ -17,7 +17,8 @@ from .config import HierarchicalBEMConfig
 from .modules.bem_linear import BEMLinear, RoutingContext
 from .modules.controller import HierarchicalController
 from .modules.trainable_copy import TrainableCopy
-from .routing_hooks import RoutingHooks
+from .call_hooks import CallHooks
+from .call_inputs import capture_generate_masks
 from .targets import plan_targets, saved_module_names
 
 
@@ -146,7 +147,7 @@ class BEMModel(nn.Module):
             self.controller = None
         self.token_routed_names: list[str] = plan.token_routed
         first_block = _first_block(base_model, plan.names)
-        self._hooks = RoutingHooks(_routed_model(base_model, first_block), first_block, self.controller, self.context)
+        self._hooks = CallHooks(_routed_model(base_model, first_block), first_block, self.controller, self.context)
         signed = _signed_forward(self)
         if signed is not None:
             self.forward = signed
@@ -166,13 +167,15 @@ class BEMModel(nn.Module):
             self._hooks.pending_side_signals = None
 
     def generate(self, *args: Any, side_signals: Optional[torch.Tensor] = None, **kwargs: Any) -> Any:
-        """`base_model.generate` with BEM active; the routing state rides along with the KV cache."""
+        """`base_model.generate` with BEM active; BEM's state rides along with the KV cache. Every cache
+        implementation works (dynamic, static, and generate's compiled decoding of static caches)."""
         if side_signals is not None:
             beams = int(kwargs.get("num_beams", 1)) * int(kwargs.get("num_return_sequences", 1) or 1)
             side_signals = side_signals.repeat_interleave(beams, 0) if beams > 1 else side_signals
         self._hooks.pending_side_signals = side_signals
         try:
-            return self.base_model.generate(*args, **kwargs)
+            with capture_generate_masks(self.base_model, self._hooks.generate_masks):
+                return self.base_model.generate(*args, **kwargs)
         finally:
             self._hooks.pending_side_signals = None
 

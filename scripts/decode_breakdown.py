@@ -4,6 +4,7 @@ Per-step wall time (synchronised), GPU busy time, and the top ops by host and de
 import time
 
 import torch
+from bem.call_inputs import CACHE_KEYWORD, returned_cache
 from torch.profiler import ProfilerActivity, profile
 
 from breakdown_model import llama_1b_with_bem
@@ -16,12 +17,12 @@ def decode_steps(batch: int, steps: int, bem_on: bool):
     ctx = model.disable_bem() if not bem_on else torch.autocast("cuda", enabled=False)
     with torch.no_grad(), ctx:
         out = model(input_ids=ids, use_cache=True)
-        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        cache, token = returned_cache(out), out.logits[:, -1:].argmax(-1)
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(steps):
-            out = model(input_ids=token, past_key_values=cache, use_cache=True)
-            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            out = model(input_ids=token, **{CACHE_KEYWORD: cache}, use_cache=True)
+            cache, token = returned_cache(out), out.logits[:, -1:].argmax(-1)
         torch.cuda.synchronize()
     return (time.perf_counter() - start) / steps * 1e3
 

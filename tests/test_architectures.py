@@ -7,6 +7,7 @@ import torch
 
 from bem import BEMModel, HierarchicalBEMConfig, create_hierarchical_bem
 from bem.modules.bem_linear import BEMLinear
+from bem.call_inputs import CACHE_KEYWORD, returned_cache
 
 from conftest import ARCHITECTURES, DECODERS, random_ids, randomize_bem
 
@@ -87,11 +88,11 @@ def test_cached_decoding_matches_the_full_sequence(arch, chunk_size, load_base):
     ids = random_ids(2, total, seed=3)
     full = logits(model, ids)
     out = model(input_ids=ids[:, :prompt_length], use_cache=True)
-    pieces, cache = [out.logits], out.past_key_values
+    pieces, cache = [out.logits], returned_cache(out)
     for t in range(prompt_length, total):
-        out = model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+        out = model(input_ids=ids[:, t : t + 1], **{CACHE_KEYWORD: cache}, use_cache=True)
         pieces.append(out.logits)
-        cache = out.past_key_values
+        cache = returned_cache(out)
     incremental = torch.cat(pieces, dim=1)
     assert (incremental - full).abs().max().item() < 1e-5
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from bem import HierarchicalBEMConfig, create_hierarchical_bem
+from bem.call_inputs import CACHE_KEYWORD, returned_cache
 
 from conftest import random_ids, randomize_bem
 
@@ -17,9 +18,9 @@ def test_fullgraph_compile_matches_eager_including_cached_decoding(load_base):
     expected = model(input_ids=ids, use_cache=False).logits
     compiled = torch.compile(model, fullgraph=True, dynamic=False)
     out = compiled(input_ids=ids[:, :6], use_cache=True)
-    pieces, cache = [out.logits], out.past_key_values
+    pieces, cache = [out.logits], returned_cache(out)
     for t in range(6, 9):
-        out = compiled(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+        out = compiled(input_ids=ids[:, t : t + 1], **{CACHE_KEYWORD: cache}, use_cache=True)
         pieces.append(out.logits)
-        cache = out.past_key_values
+        cache = returned_cache(out)
     assert (torch.cat(pieces, dim=1) - expected).abs().max().item() < 1e-5

@@ -7,6 +7,7 @@ import torch
 
 from bem import BEMModel, HierarchicalBEMConfig, create_hierarchical_bem
 from bem.kernels import ops
+from bem.call_inputs import CACHE_KEYWORD, returned_cache
 
 from conftest import random_ids
 
@@ -56,10 +57,10 @@ def test_wrong_input_shapes_are_named(load_base):
 def test_continuing_a_cache_bem_did_not_build_is_refused(load_base):
     base = load_base("llama")
     ids = random_ids(1, 6)
-    cache = base(input_ids=ids, use_cache=True).past_key_values
+    cache = returned_cache(base(input_ids=ids, use_cache=True))
     model = create_hierarchical_bem(base, HierarchicalBEMConfig(rank=2))
-    with pytest.raises(ValueError, match="carries no BEM routing state"):
-        model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match="carries no BEM state"):
+        model(input_ids=ids[:, :1], **{CACHE_KEYWORD: cache}, use_cache=True)
 
 
 def test_op_shape_mismatches_are_named():

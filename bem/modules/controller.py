@@ -30,14 +30,14 @@ GATE_INIT_BIAS = 4.0
 
 @dataclass
 class RoutingState:
-    """Per-row routing state after `count` real tokens; every tensor's first dim is the batch."""
+    """Per-row routing state after `count` real tokens; every tensor's first dim is the batch. It rides on the
+    KV cache as the "routing" part of BEM's cache state (`bem.cache_state.CarriedState`)."""
 
     count: torch.Tensor  # (B,) long: real tokens seen
     prefix_sum: torch.Tensor  # (B, d): sum of z over the first min(count, P) real tokens
     chunk_ema: torch.Tensor  # (B, d): e_k for k = count // C, the chunk the next token falls in
     open_sum: torch.Tensor  # (B, d): sum of z over the tokens already in chunk count // C
     side: Optional[torch.Tensor]  # (B, d) projected side signal, or None
-    seen_tokens: int  # positions processed including padding (must match the KV cache length)
 
     def _map_rows(self, fn) -> "RoutingState":
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -200,7 +200,7 @@ class HierarchicalController(nn.Module):
         if state_tensors is not None:
             count, prefix_sum, chunk_ema, open_sum, side = state_tensors
             state = RoutingState(count=count, prefix_sum=prefix_sum, chunk_ema=chunk_ema, open_sum=open_sum,
-                                 side=side, seen_tokens=T)
+                                 side=side)
         return RoutingOutput(codes=codes, state=state, levels=levels)
 
     def forward_math(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],
@@ -303,7 +303,7 @@ class HierarchicalController(nn.Module):
             codes, levels, *advanced = self.step_math(hidden, mask, *tensors, out_dtype=out_dtype)
         count, prefix_sum, chunk_ema, open_sum = advanced
         new_state = RoutingState(count=count, prefix_sum=prefix_sum, chunk_ema=chunk_ema, open_sum=open_sum,
-                                 side=state.side, seen_tokens=state.seen_tokens + T)
+                                 side=state.side)
         return RoutingOutput(codes=codes, state=new_state, levels=levels)
 
     def step_math(self, hidden, mask, count, prefix_sum, chunk_ema, open_sum, side, out_dtype):

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
 from bem import HierarchicalBEMConfig, create_hierarchical_bem
 from bem.kernels import KERNELS_AVAILABLE
 from bem.modules.controller import HierarchicalController
+from bem.call_inputs import CACHE_KEYWORD, returned_cache
 
 pytestmark = pytest.mark.gpu
 
@@ -152,11 +155,11 @@ def test_cached_generation_with_every_fast_path_matches_the_full_forward(dtype):
         ids = torch.randint(3, 101, (2, 14), device="cuda")
         full = model(input_ids=ids).logits.float()
         out = model(input_ids=ids[:, :9], use_cache=True)
-        pieces, cache = [out.logits.float()], out.past_key_values
+        pieces, cache = [out.logits.float()], returned_cache(out)
         for t in range(9, 14):
-            out = model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            out = model(input_ids=ids[:, t : t + 1], **{CACHE_KEYWORD: cache}, use_cache=True)
             pieces.append(out.logits.float())
-            cache = out.past_key_values
+            cache = returned_cache(out)
     tolerance = 5e-2 if dtype == torch.bfloat16 else 1e-4
     error = (torch.cat(pieces, dim=1) - full).norm() / full.norm()
     assert error < tolerance
@@ -219,17 +222,20 @@ def test_cuda_graph_captured_decode_with_a_static_cache_matches_the_full_forward
         ids = torch.randint(3, 101, (1, 16), device="cuda")
         full = model(input_ids=ids).logits.float()
         cache = StaticCache(config=config, max_cache_len=32)
-        model(input_ids=ids[:, :8], past_key_values=cache, use_cache=True,
-              cache_position=torch.arange(8, device="cuda"))
+        # transformers before 5.24 takes the write position as cache_position; later ones keep it in the cache
+        takes_position = "cache_position" in inspect.signature(model.base_model.forward).parameters
+        model(input_ids=ids[:, :8], **{CACHE_KEYWORD: cache}, use_cache=True,
+              **({"cache_position": torch.arange(8, device="cuda")} if takes_position else {}))
         step_ids = ids[:, 8:9].clone()
         position = torch.tensor([8], device="cuda")
-        eager = model(input_ids=step_ids, past_key_values=cache, use_cache=True, cache_position=position)
+        at = {"cache_position": position} if takes_position else {}
+        eager = model(input_ids=step_ids, **{CACHE_KEYWORD: cache}, use_cache=True, **at)
         pieces = [eager.logits.float()]  # an eager step first also warms everything up before capture
         graph = torch.cuda.CUDAGraph()
         step_ids.copy_(ids[:, 9:10])
         position.fill_(9)
         with torch.cuda.graph(graph):
-            captured = model(input_ids=step_ids, past_key_values=cache, use_cache=True, cache_position=position)
+            captured = model(input_ids=step_ids, **{CACHE_KEYWORD: cache}, use_cache=True, **at)
         for t in range(9, 16):
             step_ids.copy_(ids[:, t : t + 1])
             position.fill_(t)
