@@ -158,3 +158,77 @@ def test_bad_step_operands_are_refused_naming_them(change, error, message):
             "pregate": torch.randn(2, 3, generator=g), "postgate": torch.randn(2, 3, generator=g)}
     with pytest.raises(error, match=message):
         reference.fftconv_step(**change(args))
+
+
+# ---- the op surface on the CPU: dispatch, fake ops, the spectrum cache ----
+
+from bem.kernels import fftconv as fftconv_ops  # noqa: E402
+from bem.kernels.fftconv import custom_ops, dispatch  # noqa: E402
+
+
+def test_dispatch_on_cpu_runs_the_reference_and_says_why():
+    u, k, D, pre, post = _operands(2, 3, 20, 9, seed=8, dtype=torch.float32)
+    reason = fftconv_ops.fftconv_unavailable_reason(u, k)
+    assert reason is not None and "cpu" in reason
+    assert fftconv_ops.fftconv_unavailable_reason(u, k, use_fused=False) == "use_fused is False"
+    y = fftconv_ops.fftconv(u, k, D, pre, post, gelu=True)
+    assert torch.equal(y, reference.fftconv_fft(u, k, D, pre, post, gelu=True))
+    history = torch.zeros(2, 3, 4)
+    y_t = fftconv_ops.fftconv_step(history, u[:, :, 0], k, 0, D, pre[:, :, 0], post[:, :, 0], gelu=True)
+    assert torch.allclose(y_t, y[:, :, 0], atol=1e-6)
+    assert fftconv_ops.step_unavailable_reason(history, u[:, :, 0], k) is not None
+    with pytest.raises(ValueError, match="k must be"):
+        fftconv_ops.fftconv(u, k[:2], D)
+
+
+def test_reference_gradients_flow_to_every_operand():
+    u, k, D, pre, post = (t.requires_grad_() for t in _operands(1, 2, 9, 6, seed=9))
+    fftconv_ops.fftconv(u, k, D, pre, post, gelu=True).square().sum().backward()
+    assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in (u, k, D, pre, post))
+
+
+def test_spectrum_length_pads_short_sequences_and_rounds_up():
+    assert [custom_ops.spectrum_length(L) for L in (1, 1000, 1024, 1025, 3000, 16384, 100000)] == [
+        1024, 1024, 1024, 2048, 4096, 16384, 131072]
+
+
+def test_fake_ops_give_the_shapes_the_kernels_return():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        u = torch.empty(2, 3, 3000, dtype=torch.bfloat16)
+        k = torch.empty(3, 100)
+        D = torch.empty(3)
+        S = custom_ops.fftconv_spectrum(k, D, 3000)
+        assert S.shape == (3, 4097) and S.dtype == torch.complex64
+        y = custom_ops.fftconv(u, k, D, u, u, True, S)
+        assert y.shape == u.shape and y.dtype == u.dtype
+        grads = custom_ops.fftconv_bwd(u, u, k, D, None, u, True, None, [True, True, False, False, True])
+        assert [tuple(g.shape) for g in grads] == [tuple(u.shape), (3, 100), (0,), (0,), tuple(u.shape)]
+        assert grads[1].dtype == k.dtype
+        y_t = custom_ops.fftconv_step(torch.empty(2, 3, 50, dtype=torch.bfloat16), u[:, :, 0], k, None, 4, D,
+                                      None, None, False)
+        assert y_t.shape == (2, 3) and y_t.dtype == torch.bfloat16
+
+
+def test_spectrum_cache_reuses_while_k_is_unchanged(monkeypatch):
+    calls = []
+    monkeypatch.setattr(custom_ops, "fftconv_spectrum", lambda k, D, L: calls.append(L) or torch.randn(1))
+    cache = dispatch.SpectrumCache(size=2)
+    u, k, D, _, _ = _operands(1, 3, 100, 30, seed=10, dtype=torch.float32, gates=False)
+    first = cache.get(k, D, 100)
+    assert cache.get(k, D, 90) is first and len(calls) == 1  # same spectrum length (1024)
+    assert cache.get(k, D, 2000) is not first and len(calls) == 2  # another length
+    k.mul_(2.0)  # changed in place: its version moves on
+    cache.get(k, D, 100)
+    assert len(calls) == 3
+    D2 = D.clone()
+    cache.get(k, D2, 100)
+    assert len(calls) == 4
+    del k
+    import gc
+
+    gc.collect()
+    assert len(cache._entries) == 0  # the entry died with its k
+    assert not dispatch.SpectrumCache.applies(u, D.clone().requires_grad_()[:, None], None)
+    assert dispatch.SpectrumCache.applies(u, D[:, None], None)

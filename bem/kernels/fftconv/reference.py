@@ -204,6 +204,8 @@ def fftconv_step(
     The current token's own terms use v_t before it is rounded to the history's dtype."""
     check_step_operands(history, u_t, k, position, D, pregate, postgate)
     p = int(position)
+    if not 0 <= p < history.shape[2]:  # a CUDA tensor's value is only seen here
+        raise ValueError(f"position must be in [0, {history.shape[2]}) (the history's length), got {p}")
     cd = compute_dtype(u_t)
     v_t = _pregated(u_t, pregate, cd)
     history[:, :, p] = v_t.to(history.dtype)
