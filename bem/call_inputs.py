@@ -147,10 +147,12 @@ def capture_generate_masks(model: nn.Module, keep: "MaskSlot") -> Iterator[None]
     @functools.wraps(bound)
     def prepare(*args: Any, **kwargs: Any) -> dict:
         inputs = bound(*args, **kwargs)
-        mask = kwargs.get("attention_mask")
+        mask, passed = kwargs.get("attention_mask"), inputs.get("attention_mask")
         tokens = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs.get("inputs_embeds")
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and tokens is not None:
-            keep.mask = mask[:, -tokens.shape[1]:]
+        converted = not (isinstance(passed, torch.Tensor) and passed.dim() == 2)
+        if converted and isinstance(mask, torch.Tensor) and mask.dim() == 2 and tokens is not None:
+            # contiguous: a compiled decoding step guards on its inputs' strides, and this view's grow each step
+            keep.mask = mask[:, -tokens.shape[1]:].contiguous()
         else:
             keep.mask = None
         return inputs

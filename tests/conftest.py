@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -97,6 +98,40 @@ def randomize_bem(model, seed: int = 0, scale: float = 0.3) -> None:
 def random_ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (batch, length), generator=generator)
+
+
+class _DeprecationRecords(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "deprecated" in message and ("past_key_values" in message or "cache_params" in message):
+            self.messages.append(message)
+
+
+@pytest.fixture(autouse=True)
+def no_deprecated_cache_names():
+    """transformers' deprecation notices about the cache's old names are errors: neither BEM nor its tests may
+    use them. Some come as FutureWarnings (pytest.ini makes those errors), others through transformers' logger,
+    once per process: that memory is cleared, and the logger watched, for each test."""
+    from transformers.utils import logging as hf_logging
+
+    logger = hf_logging.get_logger("transformers")
+    records = _DeprecationRecords()
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    logger.addHandler(records)
+    clear = getattr(getattr(hf_logging, "warning_once", None), "cache_clear", None)
+    if clear is not None:
+        clear()
+    try:
+        yield
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+    assert not records.messages, f"transformers warned that a deprecated cache name was used: {records.messages[0]}"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -241,7 +241,9 @@ class HierarchicalController(nn.Module):
         count = mask.sum(1).long()
         open_chunk = (count // C).clamp(max=num_chunks - 1)
         rows = torch.arange(B, device=z.device)
-        return codes, levels, (count, prefix_sum[:, -1], ema[rows, open_chunk], chunk_sum[rows, open_chunk], side)
+        # contiguous: a compiled decode step guards on the strides of the state it is given
+        state = (count, prefix_sum[:, -1].contiguous(), ema[rows, open_chunk], chunk_sum[rows, open_chunk], side)
+        return codes, levels, state
 
     def _ema_over_chunks(self, summaries: torch.Tensor) -> torch.Tensor:
         """e_k = Σ_{j<k} (1-β) β^{k-1-j} f_j as one small matrix product over chunks."""
