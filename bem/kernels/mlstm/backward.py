@@ -48,13 +48,13 @@ def _from_chunks(x: Tensor, S: int) -> Tensor:
 def chunkwise_backward(
     dh: Tensor, q: Tensor, k: Tensor, v: Tensor, igate: Tensor, fgate: Tensor, h: Tensor, m: Tensor, den: Tensor,
     C_states: Tensor, n_states: Tensor, m_states: Tensor, chunk_size: int,
-    initial_state: Optional[State] = None, last_state: Optional[State] = None,
+    last_state: Optional[State] = None,
     d_last: Optional[tuple[Optional[Tensor], Optional[Tensor]]] = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Optional[tuple[Tensor, Tensor, Tensor]]]:
-    """(dq, dk, dv, digate, dfgate, d_initial_state) of the chunkwise forward (`reference.chunkwise`, or the
-    kernels' forward, which keeps the same m, den and chunk states). dh (B, NH, S, DHV); h the forward's output;
-    d_last: the gradients (dC, dn) of the returned last state, or None. d_initial_state is (dC0, dn0, dm0)
-    when initial_state is given, else None."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, digate, dfgate, dC0, dn0) of the chunkwise forward (`reference.chunkwise`, or the kernels'
+    forward, which keeps the same m, den and chunk states). dh (B, NH, S, DHV); h the forward's output;
+    d_last: the gradients (dC, dn) of the returned last state, or None. The gates' gradients and (dC0, dn0),
+    the gradient of the initial state's C and n, come in the accumulation dtype; dm0 is `initial_state_grad`."""
     B, NH, S, DHQK = q.shape
     acc = m.dtype
     L = min(chunk_size, S)
@@ -104,22 +104,33 @@ def chunkwise_backward(
     dv = (scores * decay).transpose(-1, -2) @ dnum + w_key[..., None] * (kc @ R_after_all)
 
     # The gates, from the rows' and columns' sums.
-    di = (kc * dk).sum(-1)
-    db = _from_chunks((qc * dq).sum(-1) - di, S)
+    last_term = None
     if last_state is not None and d_last is not None:
-        C_S, n_S, _ = last_state
-        extra = torch.zeros_like(db[..., -1])
-        if dC_last is not None:
-            extra = extra + (dC_last.to(acc) * C_S.to(acc)).sum((-1, -2))
-        if dn_last is not None:
-            extra = extra + (dn_last.to(acc) * n_S.to(acc)).sum(-1)
-        db = torch.cat([db[..., :-1], (db[..., -1] + extra)[..., None]], -1)
-    dlf = db.flip(-1).cumsum(-1).flip(-1)
-    df = dlf * torch.sigmoid(-fgate.to(acc))
-    d_initial = None
-    if initial_state is not None:
-        C0, n0, _ = initial_state
-        dm0 = (R * C0.to(acc)).sum((-1, -2)) + (Rn * n0.to(acc)).sum(-1)
-        d_initial = (R, Rn, dm0)
+        last_term = last_state_term(last_state[0], last_state[1], dC_last, dn_last)
+    di, df = gate_grads(_from_chunks((qc * dq).sum(-1), S), _from_chunks((kc * dk).sum(-1), S), fgate, last_term)
     return (_from_chunks(dq, S).to(q.dtype), _from_chunks(dk, S).to(k.dtype), _from_chunks(dv, S).to(v.dtype),
-            _from_chunks(di, S).to(igate.dtype), df.to(fgate.dtype), d_initial)
+            di, df, R, Rn)
+
+
+def last_state_term(C_last: Tensor, n_last: Tensor, dC_last: Optional[Tensor], dn_last: Optional[Tensor]) -> Tensor:
+    """<dC, C> + <dn, n> of the last state (B, NH): every part of it carries the log-forget up to the last token."""
+    term = torch.zeros(C_last.shape[:2], dtype=C_last.dtype, device=C_last.device)
+    if dC_last is not None:
+        term = term + (dC_last.to(C_last.dtype) * C_last).sum((-1, -2))
+    if dn_last is not None:
+        term = term + (dn_last.to(n_last.dtype) * n_last).sum(-1)
+    return term
+
+
+def gate_grads(qdq: Tensor, kdk: Tensor, fgate: Tensor, last_term: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """(dĩ, df̃) in the accumulation dtype from q_t·dq_t and k_t·dk_t (B, NH, S) and the last state's term."""
+    db = qdq - kdk
+    if last_term is not None:
+        db = torch.cat([db[..., :-1], (db[..., -1] + last_term)[..., None]], -1)
+    dlf = db.flip(-1).cumsum(-1).flip(-1)
+    return kdk, dlf * torch.sigmoid(-fgate.to(qdq.dtype))
+
+
+def initial_state_grad(dC0: Tensor, dn0: Tensor, C0: Tensor, n0: Tensor) -> Tensor:
+    """dm0 = <dC0, C0> + <dn0, n0>: the initial state holds the memory exp(m0) (C0, n0)."""
+    return (dC0 * C0.to(dC0.dtype)).sum((-1, -2)) + (dn0 * n0.to(dn0.dtype)).sum(-1)
