@@ -57,6 +57,8 @@ def test_forms_agree(S):
         _close(h_chunk, h_par)
         for a, b in zip(last_chunk, last_par):
             _close(a, b)
+    if S > 100:
+        return  # the step S times: up to 100 tokens keeps the suite fast
     h_step, last_step = _steps(q, k, v, i, f, reference.zero_state(B, NH, DK, DV, dtype=torch.float64))
     _close(h_step, h_par)
     for a, b in zip(last_step, last_par):
