@@ -70,7 +70,7 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",
-        "transformers>=5.0",
+        "transformers>=5.17",  # the oldest release CI tests (.ci/run tests it and the newest)
         "peft>=0.20",
         "accelerate>=1.10",
         "safetensors>=0.4",

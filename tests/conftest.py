@@ -20,7 +20,8 @@ from transformers import (
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# BEM_TEST_THREADS: CI runs two suites side by side (two transformers releases), one thread each
+torch.set_num_threads(int(os.environ.get("BEM_TEST_THREADS", 0)) or max(1, min(2, os.cpu_count() or 1)))
 
 VOCAB = 97
 _COMMON = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=None)

@@ -137,3 +137,20 @@ def test_noise_that_cannot_give_a_decode_time_exits_1(monkeypatch, tmp_path, cap
                                       "train": {"enabled": False}, "output_dir": str(tmp_path)}))
     assert main(["--config", str(config), "--max-overhead", "1000", "--quiet"]) == 1
     assert "measurement failed: decode b1" in capsys.readouterr().err
+
+
+def test_compiled_decoding_is_a_gated_setting_of_its_own(tmp_path):
+    """decode.compiled adds static-cache decoding with generate's compiled step (here with the eager backend,
+    which traces the step as compilation does but skips the code generation that takes minutes on a CPU)."""
+    config = yaml.safe_load((REPO / "configs" / "profile_tiny.yaml").read_text())
+    config.update(prefill={"shapes": []}, train={"enabled": False}, output_dir=str(tmp_path), max_overhead=1000)
+    config["decode"].update(batch_sizes=[2], new_tokens=8, compiled=True, compile_backend="eager")
+    config["timing"].update(warmup=2, repeats=3)
+    path = tmp_path / "compiled.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["--config", str(path), "--quiet"]) == 0
+    report = json.loads((tmp_path / "tiny.json").read_text())
+    assert validate_report(report) == []
+    compiled = [s for s in report["settings"] if s["kind"] == "decode_compiled"]
+    assert [s["name"] for s in compiled] == ["decode (compiled) b2"] and compiled[0]["gated"]
+    assert all(compiled[0][key] > 0 for key in ("base", "bem", "lora"))

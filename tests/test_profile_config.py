@@ -56,7 +56,7 @@ def _write(tmp_path: Path, data: dict) -> Path:
     ({"model": {"dtype": "bf16"}}, "model.dtype must be one of"),
     ({"bem": {"rank": 0}}, "bem: rank must be a positive integer"),
     ({"bem": {"ranks": 8}}, "unknown BEM config field 'ranks' (did you mean 'rank'?)"),
-    ({"gate": ["prefil"]}, "gate[] must be one of prefill, decode, train; got 'prefil' (did you mean 'prefill'?)"),
+    ({"gate": ["prefil"]}, "gate[] must be one of prefill, decode, decode_compiled, train; got 'prefil' (did you mean 'prefill'?)"),
     ({"max_overhead": -0.1}, "max_overhead must be in"),
     ({"timing": 3}, "timing must be a mapping"),
     ({"model": {"config": {"vocab_size": 8}}}, "model.config must be a mapping with a model_type"),

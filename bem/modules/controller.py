@@ -241,8 +241,8 @@ class HierarchicalController(nn.Module):
         count = mask.sum(1).long()
         open_chunk = (count // C).clamp(max=num_chunks - 1)
         rows = torch.arange(B, device=z.device)
-        # contiguous: a compiled decode step guards on the strides of the state it is given
-        state = (count, prefix_sum[:, -1].contiguous(), ema[rows, open_chunk], chunk_sum[rows, open_chunk], side)
+        # standard strides (also for one row): a compiled decode step guards on the strides of the state it reads
+        state = (count, prefix_sum[:, -1].clone(memory_format=torch.contiguous_format), ema[rows, open_chunk], chunk_sum[rows, open_chunk], side)
         return codes, levels, state
 
     def _ema_over_chunks(self, summaries: torch.Tensor) -> torch.Tensor:

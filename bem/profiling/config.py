@@ -19,7 +19,8 @@ from ..config import HierarchicalBEMConfig, closest_name
 
 DTYPES = ("float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
-KINDS = ("prefill", "decode", "train")
+KINDS = ("prefill", "decode", "decode_compiled", "train")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 ATTENTION = ("eager", "sdpa")
 
 
@@ -55,6 +56,10 @@ class DecodeSpec:
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4])
     prompt_length: int = 8
     new_tokens: int = 8
+    # also time decoding as transformers' fast path runs it: a static cache, whose decoding step generate
+    # compiles (mode reduce-overhead: CUDA graphs on a GPU)
+    compiled: bool = False
+    compile_backend: str = "inductor"
 
 
 @dataclass
@@ -202,6 +207,9 @@ def validate(config: ProfileConfig) -> None:
         _positive_int("decode.batch_sizes[]", batch)
     _positive_int("decode.prompt_length", config.decode.prompt_length)
     _positive_int("decode.new_tokens", config.decode.new_tokens, minimum=2)
+    if not isinstance(config.decode.compiled, bool):
+        raise ProfileConfigError(f"decode.compiled must be true or false, got {config.decode.compiled!r}")
+    _choice("decode.compile_backend", config.decode.compile_backend, COMPILE_BACKENDS)
     if not isinstance(config.train.enabled, bool):
         raise ProfileConfigError(f"train.enabled must be true or false, got {config.train.enabled!r}")
     _positive_int("train.batch_size", config.train.batch_size)

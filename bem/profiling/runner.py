@@ -56,16 +56,19 @@ class Profiler:
         self._add(name, "prefill", {"batch": batch, "sequence": length}, "ms", samples)
 
     # ------------------------------------------------------------------ decode
-    def decode(self, batch: int) -> None:
+    def decode(self, batch: int, compiled: bool = False) -> None:
         spec = self.config.decode
-        name = f"decode b{batch}"
-        self.log(f"  {name} ({spec.new_tokens} tokens after a {spec.prompt_length}-token prompt)")
+        name = f"decode (compiled) b{batch}" if compiled else f"decode b{batch}"
+        backend = spec.compile_backend if compiled else None
+        how = f", static cache, decoding step compiled ({backend})" if compiled else ""
+        self.log(f"  {name} ({spec.new_tokens} tokens after a {spec.prompt_length}-token prompt{how})")
         batches = self._batches(batch, spec.prompt_length, salt=7_919 * batch)
         runs = {}
         for key, model in self.variants.named().items():
-            runs[key] = workloads.generation(model, batches, spec.new_tokens, self.pad_token_id)
-            runs[f"{key}:first"] = workloads.generation(model, batches, 1, self.pad_token_id)
-        self._add_controller_run(runs, "step")
+            runs[key] = workloads.generation(model, batches, spec.new_tokens, self.pad_token_id, backend)
+            runs[f"{key}:first"] = workloads.generation(model, batches, 1, self.pad_token_id, backend)
+        if not compiled:  # compiled, the controller's step is part of one graph: no share to time apart
+            self._add_controller_run(runs, "step")
         samples = self._time(runs)
         # per generated token: (generate N - generate 1) / (N - 1) leaves out the prompt's prefill
         per_token = {}
@@ -76,7 +79,8 @@ class Profiler:
             raise MeasurementError(f"{name}: generating {spec.new_tokens} tokens was not slower than generating one; "
                                f"the timings are noise (raise decode.new_tokens or timing.repeats)")
         shape = {"batch": batch, "prompt_length": spec.prompt_length, "new_tokens": spec.new_tokens}
-        self._add(name, "decode", shape, "ms/token", samples, medians=per_token)
+        kind = "decode_compiled" if compiled else "decode"
+        self._add(name, kind, shape, "ms/token", samples, medians=per_token)
 
     # ------------------------------------------------------------------ training step
     def train(self) -> None:
@@ -134,6 +138,9 @@ def run_profile(config: ProfileConfig, log: Log = print) -> dict[str, Any]:
         profiler.prefill(batch, length)
     for batch in config.decode.batch_sizes:
         profiler.decode(batch)
+    if config.decode.compiled:
+        for batch in config.decode.batch_sizes:
+            profiler.decode(batch, compiled=True)
     if config.train.enabled:
         profiler.train()
     kernels = None

@@ -21,7 +21,7 @@ MEMORY = {"saved_for_backward_bytes": int, "peak_step_bytes": (int, NoneType)}
 
 SETTING = {
     "name": str,
-    "kind": str,  # prefill | decode | train
+    "kind": str,  # prefill | decode | decode_compiled | train
     "shape": MapOf(int),
     "unit": str,  # ms | ms/token
     "base": Number,
@@ -167,6 +167,7 @@ def _check(value: Any, node: Any, path: str, errors: list[str]) -> None:
 
 def _check_consistency(report: dict, errors: list[str]) -> None:
     """Facts the types cannot say: known kinds, the gate agrees with the numbers."""
+    from .config import KINDS
     from .report import REPORT_KIND, SCHEMA_VERSION
 
     if report["kind"] != REPORT_KIND:
@@ -175,7 +176,7 @@ def _check_consistency(report: dict, errors: list[str]) -> None:
         errors.append(f"report.schema_version: expected {SCHEMA_VERSION}, got {report['schema_version']!r}")
     failed = []
     for index, setting in enumerate(report["settings"]):
-        if setting["kind"] not in ("prefill", "decode", "train"):
+        if setting["kind"] not in KINDS:
             errors.append(f"report.settings[{index}].kind: unknown kind {setting['kind']!r}")
         if setting["base"] <= 0 or setting["bem"] <= 0:
             errors.append(f"report.settings[{index}]: times must be positive")

@@ -1,4 +1,5 @@
-"""The measured workloads: prefill, cached decoding through `generate`, one training step.
+"""The measured workloads: prefill, cached decoding through `generate` (eager, or compiled on a static
+cache), one training step.
 
 Each builder returns a `Workload` (a callable taking the repeat index, used to rotate between a few
 input batches) for one model; the same inputs are shared by every variant.
@@ -44,14 +45,23 @@ def supports_logits_to_keep(base_model: nn.Module) -> bool:
         return False
 
 
-def generation(model: nn.Module, batches: list[torch.Tensor], new_tokens: int, pad_token_id: int) -> Workload:
-    """Greedy `generate` of exactly `new_tokens` tokens with the KV cache."""
+def generation(model: nn.Module, batches: list[torch.Tensor], new_tokens: int, pad_token_id: int,
+               compile_backend: Optional[str] = None) -> Workload:
+    """Greedy `generate` of exactly `new_tokens` tokens with the KV cache. With `compile_backend`: a static
+    cache, whose decoding step generate compiles with that backend (on a CPU too, where generate would not)."""
+    extra: dict[str, Any] = {}
+    if compile_backend is not None:
+        from transformers import CompileConfig
+
+        compile_config = CompileConfig(backend=compile_backend)
+        compile_config._compile_all_devices = True
+        extra = {"cache_implementation": "static", "compile_config": compile_config}
 
     def run(index: int) -> Any:
         ids = batches[index % len(batches)]
         return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                               min_new_tokens=new_tokens, do_sample=False, use_cache=True,
-                              pad_token_id=pad_token_id)
+                              pad_token_id=pad_token_id, **extra)
 
     return run
 
