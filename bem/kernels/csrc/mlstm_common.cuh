@@ -42,9 +42,13 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
 }
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int Pending> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory");
+}
 __device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.commit_group;\n" ::);
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  cp_async_commit();
+  cp_async_wait<0>();
 }
 
 // tile[r][c] = src[(r0 + r) * ld + c0 + c] for r < 64, c < 64, zero where r0 + r >= rows or c0 + c >= cols.
@@ -169,23 +173,34 @@ __device__ __forceinline__ void zero(float (&acc)[8][4]) {
 __device__ __forceinline__ int acc_row(int e) { return (threadIdx.x % 32) / 4 + 8 * (e / 2); }
 __device__ __forceinline__ int acc_col(int nt, int e) { return nt * 8 + 2 * (threadIdx.x % 4) + (e % 2); }
 
-// The gates of chunk c into shared memory (warp 0 computes, the caller synchronises):
-//   g[t]  inclusive cumulative log σ(f) within the chunk (log-forget 0 beyond the last token),
+// The gates of chunk c as warp 0 holds them: tokens 2 lane and 2 lane + 1, log σ(f̃) (0 beyond the last
+// token) and ĩ (-inf beyond it). Loaded ahead of their use where a kernel walks the chunks in sequence.
+struct ChunkGates {
+  float lf0, lf1, i0, i1;
+};
+
+template <typename T>
+__device__ __forceinline__ ChunkGates load_chunk_gates(const MlstmShape& sh, const void* igate, const void* fgate,
+                                                       int bh, int c) {
+  const int lane = threadIdx.x % 32;
+  const int t0 = c * L + 2 * lane, t1 = t0 + 1;
+  const int64_t base = (int64_t)bh * sh.S;
+  ChunkGates r;
+  r.lf0 = t0 < sh.S ? log_sigmoid(load_gate<T>(fgate, sh.gates_fp32, base + t0)) : 0.f;
+  r.lf1 = t1 < sh.S ? log_sigmoid(load_gate<T>(fgate, sh.gates_fp32, base + t1)) : 0.f;
+  r.i0 = t0 < sh.S ? load_gate<T>(igate, sh.gates_fp32, base + t0) : kNegInf;
+  r.i1 = t1 < sh.S ? load_gate<T>(igate, sh.gates_fp32, base + t1) : kNegInf;
+  return r;
+}
+
+// The chunk's gates into shared memory (warp 0 only; the caller synchronises):
+//   g[t]  inclusive cumulative log σ(f̃) within the chunk,
 //   a[t]  = ĩ_t - g[t] (-inf beyond the last token): key t's log weight relative to the chunk's start,
 //   pm[t] = max over s <= t of a[s]: with M_t = max(m_c, pm[t]) the stabiliser of query t is g[t] + M_t.
 // The same arithmetic in the same order in every kernel, so forward and backward agree to the bit.
-template <typename T>
-__device__ __forceinline__ void chunk_gates(const MlstmShape& sh, const void* igate, const void* fgate, int bh, int c,
-                                            float* g, float* a, float* pm) {
-  if (threadIdx.x >= 32) return;
-  const int lane = threadIdx.x;
-  const int t0 = c * L + 2 * lane, t1 = t0 + 1;
-  const int64_t base = (int64_t)bh * sh.S;
-  const float lf0 = t0 < sh.S ? log_sigmoid(load_gate<T>(fgate, sh.gates_fp32, base + t0)) : 0.f;
-  const float lf1 = t1 < sh.S ? log_sigmoid(load_gate<T>(fgate, sh.gates_fp32, base + t1)) : 0.f;
-  const float i0 = t0 < sh.S ? load_gate<T>(igate, sh.gates_fp32, base + t0) : kNegInf;
-  const float i1 = t1 < sh.S ? load_gate<T>(igate, sh.gates_fp32, base + t1) : kNegInf;
-  const float pair = lf0 + lf1;
+__device__ __forceinline__ void scan_chunk_gates(const ChunkGates& r, float* g, float* a, float* pm) {
+  const int lane = threadIdx.x % 32;
+  const float pair = r.lf0 + r.lf1;
   float incl = pair;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
@@ -194,8 +209,8 @@ __device__ __forceinline__ void chunk_gates(const MlstmShape& sh, const void* ig
   }
   float before_sum = __shfl_up_sync(0xffffffffu, incl, 1);
   if (lane == 0) before_sum = 0.f;
-  const float g0 = before_sum + lf0, g1 = incl;
-  const float a0 = i0 - g0, a1 = i1 - g1;
+  const float g0 = before_sum + r.lf0, g1 = incl;
+  const float a0 = r.i0 - g0, a1 = r.i1 - g1;
   float run = fmaxf(a0, a1);
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
@@ -210,6 +225,13 @@ __device__ __forceinline__ void chunk_gates(const MlstmShape& sh, const void* ig
   a[2 * lane + 1] = a1;
   pm[2 * lane] = fmaxf(before, a0);
   pm[2 * lane + 1] = run;
+}
+
+template <typename T>
+__device__ __forceinline__ void chunk_gates(const MlstmShape& sh, const void* igate, const void* fgate, int bh, int c,
+                                            float* g, float* a, float* pm) {
+  if (threadIdx.x >= 32) return;
+  scan_chunk_gates(load_chunk_gates<T>(sh, igate, fgate, bh, c), g, a, pm);
 }
 
 // max(|den|, exp(-m)): the stabilised denominator of h.
