@@ -29,6 +29,9 @@ _WRAPPED_FLAG = "_bem_wraps_cache_state"
 class CarriedState(Protocol):
     """Per-row state of a sequence that rides on the cache; every tensor's first dimension is the batch."""
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the state (to check shapes and to pin addresses)."""
+
     def index_select(self, index: torch.Tensor) -> "CarriedState":
         """Rows reordered or selected (beam search), as a new state."""
 
@@ -39,38 +42,75 @@ class CarriedState(Protocol):
         """Overwrite this state's tensors with another's, in place (CUDA-graph replays read fixed addresses)."""
 
 
+def _layout(part: CarriedState) -> list[tuple]:
+    return [(tuple(t.shape), t.dtype, t.device) for t in part.tensors()]
+
+
 @dataclass
 class CacheState:
     """Every part BEM carries on one cache: "routing" and "mixer.<block>" by name.
 
+    On a static cache (`in_place`), the parts keep their tensors for the cache's life: each call advances them
+    in place, beam search reorders them in place, and a reset marks them `empty` rather than dropping them. So
+    a compiled decoding step, and the CUDA graphs it replays, always read and write the same addresses, as
+    they do the static cache's keys and values. On other caches each call leaves a new state.
+
     `seen_tokens` counts the positions processed, padding included, so that a cache changed behind BEM's back
-    is caught; None where it was advanced inside `torch.compile` (a Python int there would be a guard that
-    recompiles every step), and then it is not checked."""
+    is caught; None where it cannot follow (an in-place state, or one advanced inside `torch.compile`, where a
+    Python int would be a guard that recompiles every step), and then it is not checked."""
 
     parts: dict[str, CarriedState] = field(default_factory=dict)
     seen_tokens: Optional[int] = 0
+    in_place: bool = False
+    empty: bool = False
 
     @property
     def batch_size(self) -> Optional[int]:
         for part in self.parts.values():
-            size = getattr(part, "batch_size", None)
-            if size is not None:
-                return size
+            tensors = part.tensors()
+            if tensors:
+                return tensors[0].shape[0]
         return None
 
+    def can_take(self, parts: dict[str, CarriedState]) -> bool:
+        """Whether `parts` have this state's names and tensor layouts (so they can be copied in)."""
+        return set(parts) == set(self.parts) and all(_layout(parts[n]) == _layout(p) for n, p in self.parts.items())
+
+    def take(self, parts: dict[str, CarriedState], seen_tokens: Optional[int]) -> None:
+        """Copy `parts` into this state's tensors (after `can_take`)."""
+        for name, part in self.parts.items():
+            part.copy_from(parts[name])
+        self.seen_tokens, self.empty = seen_tokens, False
+
+    def pin(self) -> None:
+        """Tell torch.compile that these tensors keep their addresses (as transformers does for a static
+        cache's keys and values), so that compiled steps may update them in place inside CUDA graphs."""
+        for part in self.parts.values():
+            for tensor in part.tensors():
+                torch._dynamo.mark_static_address(tensor, guard=False)
+
     def index_select(self, index: torch.Tensor) -> "CacheState":
-        return CacheState({name: part.index_select(index) for name, part in self.parts.items()}, self.seen_tokens)
+        selected = {name: part.index_select(index) for name, part in self.parts.items()}
+        if self.in_place and self.can_take(selected):
+            self.take(selected, self.seen_tokens)
+            return self
+        return CacheState(selected, self.seen_tokens, self.in_place, self.empty)
 
     def repeat_interleave(self, repeats: int) -> "CacheState":
         return CacheState({name: part.repeat_interleave(repeats) for name, part in self.parts.items()},
-                          self.seen_tokens)
+                          self.seen_tokens, self.in_place, self.empty)
 
     def copy_from(self, other: "CacheState") -> None:
-        if set(other.parts) != set(self.parts):
+        if not self.can_take(other.parts):
             raise ValueError(f"cannot copy BEM cache state with parts {sorted(other.parts)} into {sorted(self.parts)}")
-        for name, part in self.parts.items():
-            part.copy_from(other.parts[name])
-        self.seen_tokens = other.seen_tokens
+        self.take(other.parts, other.seen_tokens)
+
+    def reset(self) -> Optional["CacheState"]:
+        """The state after the cache is reset: kept (marked empty) where it is updated in place, else dropped."""
+        if self.in_place:
+            self.empty = True
+            return self
+        return None
 
 
 def get_state(cache: Any) -> Optional[CacheState]:
@@ -101,7 +141,7 @@ _TRANSFORMS: dict[str, Callable[[CacheState, Any], Optional[CacheState]]] = {
     # no part can be rewound: a cropped cache must not be continued with a stale state
     "crop": lambda state, _: None,
     # a reset (reused) cache starts a new sequence
-    "reset": lambda state, _: None,
+    "reset": lambda state, _: state.reset(),
 }
 
 
@@ -109,7 +149,8 @@ def _not_croppable_with_state(original: Any) -> property:
     """`is_croppable` that is False while a state rides on the cache, else what the class said."""
 
     def is_croppable(self) -> bool:
-        if get_state(self) is not None:
+        state = get_state(self)
+        if state is not None and not state.empty:
             return False
         return original.fget(self) if isinstance(original, property) else bool(original)
 

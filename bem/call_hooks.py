@@ -53,11 +53,6 @@ class CallState:
             self.new_parts[name] = part
 
 
-def _capturing_cuda_graph() -> bool:
-    return (not torch.compiler.is_compiling() and torch.cuda.is_available()
-            and torch.cuda.is_current_stream_capturing())
-
-
 class CallHooks:
     """Installs and owns the hooks for one wrapped model."""
 
@@ -108,6 +103,8 @@ class CallHooks:
         batch, new_tokens = tokens.shape[0], tokens.shape[1]
         cache = call_inputs.the_cache(arguments)
         state = cache_state.get_state(cache)
+        if state is not None and state.empty:
+            state = None  # a reset static cache: its state's tensors wait to be reused
         if state is None:
             past = call_inputs.cached_positions(cache, allow_sync=True)
             if past:
@@ -166,17 +163,18 @@ class CallHooks:
         cache = call_inputs.returned_cache(output)
         if cache is None or isinstance(cache, (tuple, list, torch.Tensor)):
             return None
+        in_place = bool(getattr(cache, "is_compileable", False))  # a static cache: fixed addresses
         previous = call.previous
-        capturing = _capturing_cuda_graph()
-        if torch.compiler.is_compiling() or capturing or (previous is not None and previous.seen_tokens is None):
-            seen = None  # advanced where a Python count would not follow the replays or would be a guard
+        if in_place or torch.compiler.is_compiling() or (previous is not None and previous.seen_tokens is None):
+            seen = None  # where a Python count would not follow CUDA-graph replays, or would be a compile guard
         else:
             seen = (0 if previous is None else previous.seen_tokens) + call.new_tokens
-        state = CacheState(call.new_parts, seen)
-        if previous is not None and capturing:
-            # inside a CUDA-graph capture: advance the state in place, so that every replay reads the state the
-            # previous replay wrote (the graph's inputs are fixed addresses)
-            previous.copy_from(state)
+        kept = cache_state.get_state(cache)
+        if in_place and kept is not None and kept.can_take(call.new_parts):
+            kept.take(call.new_parts, seen)
         else:
+            state = CacheState(call.new_parts, seen, in_place=in_place)
+            if in_place and not torch.compiler.is_compiling():
+                state.pin()
             cache_state.set_state(cache, state)
         return None

@@ -151,6 +151,22 @@ class BEMModel(nn.Module):
         signed = _signed_forward(self)
         if signed is not None:
             self.forward = signed
+        self._look_up_kernels()
+
+    def _look_up_kernels(self) -> None:
+        """On a CUDA model, look up (maybe build) the kernels now: done inside a first call that torch.compile
+        traces, the lookup would break the graph."""
+        if self.bem_config.use_fused_kernels:
+            weight = self.bem_modules()[0][1].base_layer.weight
+            if weight.is_cuda:
+                from .kernels import ops
+
+                ops.kernels_available()
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "BEMModel":
+        moved = super()._apply(fn, *args, **kwargs)
+        self._look_up_kernels()  # `.to("cuda")`, `.cuda()` reach here
+        return moved
 
     # ------------------------------------------------------------------ calling
     def forward(self, *args: Any, side_signals: Optional[torch.Tensor] = None, labels: Any = None,

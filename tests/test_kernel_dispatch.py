@@ -83,7 +83,7 @@ def test_generated_update_checks_too():
 
 
 def test_dispatch_reasons_for_cases_the_kernels_do_not_take(monkeypatch):
-    monkeypatch.setattr(ops, "KERNELS_AVAILABLE", True)
+    monkeypatch.setattr(ops, "_available", True)
     x, W, b, V, c, U = _operands()
     assert "on cpu" in ops.fused_unavailable_reason(x, V)
     meta = lambda t: t.to("meta")  # noqa: E731 - device-only stand-in for a CUDA tensor's dispatch facts
@@ -206,7 +206,7 @@ def test_fake_implementations_give_shapes_and_dtypes():
 def test_running_an_op_without_the_extension_says_so():
     from bem.kernels import custom_ops
 
-    if custom_ops._C is not None:
+    if custom_ops.extension() is not None:
         pytest.skip("the extension is loaded here")
     x, _, _, V, _, U = _operands(lead=(3,))
     with pytest.raises(RuntimeError, match="extension is not loaded"):

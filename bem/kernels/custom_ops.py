@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from types import ModuleType
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -27,20 +27,17 @@ from torch import Tensor
 from . import loader
 
 
-def __getattr__(name: str):
-    # `_C`, the extension or None, is looked up on first use, never at import; once found it is a plain
-    # module attribute, so the hot path reads it at the cost of any attribute.
-    if name == "_C":
-        found = loader.extension()
-        globals()["_C"] = found
-        return found
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The extension module or None; looked up on first use (`extension()`), never at import. A plain module global,
+# so that torch.compile traces its reads and tests can stand a stub in for it.
+_C: Any = loader.NOT_LOOKED
 
 
 def extension() -> Optional[ModuleType]:
     """The extension module or None (looked up on the first call)."""
-    found = globals().get("_C", loader._NOT_LOOKED)
-    return __getattr__("_C") if found is loader._NOT_LOOKED else found
+    global _C
+    if _C is loader.NOT_LOOKED:
+        _C = loader.extension()
+    return _C
 
 
 def decode_max_tokens() -> int:

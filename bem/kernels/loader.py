@@ -80,13 +80,13 @@ def load_extension() -> Optional[ModuleType]:
         return None
 
 
-_NOT_LOOKED = object()
-_found: object = _NOT_LOOKED
+NOT_LOOKED = object()  # "not looked for yet", where None would mean "looked for, not there"
+_found: object = NOT_LOOKED
 
 
 def extension() -> Optional[ModuleType]:
     """`load_extension()`, run once per process: the first call may build, later calls are a lookup."""
     global _found
-    if _found is _NOT_LOOKED:
+    if _found is NOT_LOOKED:
         _found = load_extension()
     return _found  # type: ignore[return-value]

@@ -16,20 +16,23 @@ from . import custom_ops, reference
 
 
 
-def __getattr__(name: str):
-    # KERNELS_AVAILABLE: True when the CUDA extension `bem._C` (prebuilt or just-in-time) loaded. Looked
-    # up on first read, which may build the extension, so never at import.
-    if name == "KERNELS_AVAILABLE":
-        available = custom_ops.extension() is not None
-        globals()["KERNELS_AVAILABLE"] = available
-        return available
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Whether the CUDA extension `bem._C` (prebuilt or just-in-time) loaded: None until first looked up, which may
+# build the extension, so never at import. Read it as `KERNELS_AVAILABLE` (a bool) or `kernels_available()`.
+_available: Optional[bool] = None
 
 
 def kernels_available() -> bool:
-    """`KERNELS_AVAILABLE`, read through the module so that a value set on it (tests) is what counts."""
-    found = globals().get("KERNELS_AVAILABLE")
-    return __getattr__("KERNELS_AVAILABLE") if found is None else found
+    global _available
+    if _available is None:
+        _available = custom_ops.extension() is not None
+    return _available
+
+
+def __getattr__(name: str):
+    if name == "KERNELS_AVAILABLE":
+        return kernels_available()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # BEM_FUSED_TRAINING=0: autograd at prefill sizes takes the reference path (cuBLAS forward and backward).
@@ -150,7 +153,7 @@ def _inference_call(x: torch.Tensor, V: torch.Tensor) -> bool:
     checks every operand itself before anything runs, and refuses with ValueError what it does not take
     as it is."""
     return (
-        x.is_cuda and custom_ops._C is not None and not torch.is_grad_enabled()
+        x.is_cuda and custom_ops.extension() is not None and not torch.is_grad_enabled()
         and not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cuda")
         and x.dtype in FUSED_DTYPES and V.shape[-1] <= MAX_FUSED_RANK
     )

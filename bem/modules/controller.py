@@ -50,10 +50,13 @@ class RoutingState:
     def repeat_interleave(self, repeats: int) -> "RoutingState":
         return self._map_rows(lambda value: value.repeat_interleave(repeats, 0))
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.count, self.prefix_sum, self.chunk_ema, self.open_sum, self.side) if t is not None]
+
     def copy_from(self, other: "RoutingState") -> None:
         """Overwrite this state's tensors with another's, in place."""
-        for name in ("count", "prefix_sum", "chunk_ema", "open_sum"):
-            getattr(self, name).copy_(getattr(other, name))
+        for mine, theirs in zip(self.tensors(), other.tensors(), strict=True):
+            mine.copy_(theirs)
 
     @property
     def batch_size(self) -> int:
