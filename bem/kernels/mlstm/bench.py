@@ -40,18 +40,53 @@ def _median_ms(fn: Callable[[], object], rep: int = 100) -> float:
     return do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
+_TFLA_PROBE = """
+import sys, torch
+from mlstm_kernels.torch.chunkwise.triton_xl_chunk import mlstm_chunkwise__xl_chunk
+B, NH, S, D, chunk = (int(a) for a in sys.argv[1:6])
+q, k, v = (torch.randn(B, NH, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+i, f = (torch.randn(B, NH, S, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+h = mlstm_chunkwise__xl_chunk(q, k, v, i, f, chunk_size=chunk, autocast_kernel_dtype=torch.bfloat16)
+torch.autograd.grad(h.float().sum(), (q, k, v, i, f))
+torch.cuda.synchronize()
+"""
+
+
 def _load_tfla():
-    """TFLA's chunkwise kernel, or (None, why not)."""
+    """TFLA's chunkwise kernel (a function of q, k, v, i, f and its chunk size), or (None, why not)."""
     try:
         from mlstm_kernels.torch.chunkwise.triton_xl_chunk import mlstm_chunkwise__xl_chunk
     except Exception as error:  # not installed, or its import fails on this Triton
         return None, f"{type(error).__name__}: {error}"
 
-    def run(q, k, v, i, f):
-        return mlstm_chunkwise__xl_chunk(q, k, v, i, f, return_last_states=False, chunk_size=128,
+    def run(q, k, v, i, f, chunk_size=128):
+        return mlstm_chunkwise__xl_chunk(q, k, v, i, f, return_last_states=False, chunk_size=chunk_size,
                                          autocast_kernel_dtype=DTYPE)
 
     return run, None
+
+
+def _tfla_chunk_that_runs(B, NH, S, D) -> tuple[Optional[int], str]:
+    """Triton's compiler can abort the whole process on TFLA's kernels (an LLVM assertion was seen on an
+    H100 with Triton 3.6), which no try/except catches: each shape is first run, forward and backward, in
+    a child process, at chunk sizes 128 then 64. Returns the first that ran (its compiled kernels are then
+    in Triton's cache), or None and why."""
+    import subprocess
+    import sys
+
+    why = ""
+    for chunk in (128, 64):
+        try:
+            done = subprocess.run([sys.executable, "-c", _TFLA_PROBE, str(B), str(NH), str(S), str(D), str(chunk)],
+                                  capture_output=True, text=True, timeout=240)
+        except subprocess.TimeoutExpired:
+            why = f"chunk {chunk}: no result in 240 s"
+            continue
+        if done.returncode == 0:
+            return chunk, ""
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        why = f"chunk {chunk}: exit {done.returncode}: {lines[-1][:150] if lines else ''}"
+    return None, "died in a child process: " + why
 
 
 def _inputs(B, NH, S, D, requires_grad):
@@ -70,12 +105,14 @@ def _pytorch_form(B, NH, S):
     return "PyTorch chunkwise", lambda q, k, v, i, f: reference.mlstm_chunkwise(q, k, v, i, f, chunk_size=256)
 
 
-def _variants(B, NH, S, tfla) -> dict[str, Optional[Callable]]:
+def _variants(B, NH, S, tfla, tfla_chunk) -> dict[str, Optional[Callable]]:
     name, pytorch = _pytorch_form(B, NH, S)
     return {
         "SDPA causal": lambda q, k, v, i, f: F.scaled_dot_product_attention(q, k, v, is_causal=True),
         name: pytorch,
-        "TFLA xl_chunk": tfla,
+        f"TFLA xl_chunk {tfla_chunk or ''}".strip(): (
+            None if tfla is None or tfla_chunk is None
+            else lambda q, k, v, i, f: tfla(q, k, v, i, f, chunk_size=tfla_chunk)),
         "BEM kernels": lambda q, k, v, i, f: dispatch.mlstm(q, k, v, i, f),
     }
 
@@ -115,11 +152,12 @@ def _time_interleaved(fns: dict[str, Callable[[], object]], rounds: int = 3) -> 
     return out
 
 
-def bench_shape(B: int, NH: int, S: int, D: int, tfla) -> dict:
+def bench_shape(B: int, NH: int, S: int, D: int, tfla, tfla_note: str) -> dict:
+    tfla_chunk, why = _tfla_chunk_that_runs(B, NH, S, D) if tfla is not None else (None, tfla_note)
     fwd_inputs = _inputs(B, NH, S, D, False)
     fb_inputs = _inputs(B, NH, S, D, True)
     dh = torch.randn(B, NH, S, D, device="cuda", dtype=DTYPE)
-    variants = _variants(B, NH, S, tfla)
+    variants = _variants(B, NH, S, tfla, tfla_chunk)
 
     def forward(fn):
         def run():
@@ -137,7 +175,7 @@ def bench_shape(B: int, NH: int, S: int, D: int, tfla) -> dict:
     fb = _time_interleaved({name: forward_backward(fn) for name, fn in variants.items() if fn is not None})
     for name, fn in variants.items():
         if fn is None:
-            fwd[name] = fb[name] = {"ms": None, "spread": 0.0, "note": "not importable"}
+            fwd[name] = fb[name] = {"ms": None, "spread": 0.0, "note": why}
     torch.cuda.empty_cache()
     return {"shape": {"B": B, "NH": NH, "S": S, "D": D}, "forward": fwd, "forward_backward": fb,
             "flops": _flops(B, NH, S, D)}
@@ -216,6 +254,7 @@ def format_table(result: dict, mm_tflops: float) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the two smaller shapes, no linearity sweep")
+    parser.add_argument("--no-tfla", action="store_true", help="leave TFLA out (its first compile takes minutes)")
     parser.add_argument("--json", help="write every number to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or custom_ops.extension() is None:
@@ -226,12 +265,12 @@ def main(argv: list[str] | None = None) -> None:
     header = (f"{props.name}, torch {torch.__version__}, bf16; matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s, "
               f"copy {ceil['copy_GBps']:.0f} GB/s (read+write)")
     print(header, flush=True)
-    tfla, why = _load_tfla()
+    tfla, why = (None, "left out (--no-tfla)") if args.no_tfla else _load_tfla()
     if tfla is None:
         print(f"TFLA not importable: {why}", flush=True)
     results = []
     for B, NH, S, D in SHAPES_QUICK if args.quick else SHAPES:
-        result = bench_shape(B, NH, S, D, tfla)
+        result = bench_shape(B, NH, S, D, tfla, why)
         results.append(result)
         print(format_table(result, ceil["bf16_TFLOPs"]), flush=True)
     step = bench_step()
