@@ -69,24 +69,31 @@ def _load_tfla():
 def _tfla_chunk_that_runs(B, NH, S, D) -> tuple[Optional[int], str]:
     """Triton's compiler can abort the whole process on TFLA's kernels (an LLVM assertion was seen on an
     H100 with Triton 3.6), which no try/except catches: each shape is first run, forward and backward, in
-    a child process, at chunk sizes 128 then 64. Returns the first that ran (its compiled kernels are then
-    in Triton's cache), or None and why."""
+    a child process at its default chunk size, 128. Returns 128 if it ran (its compiled kernels are then in
+    Triton's cache), or None and why. After one failure TFLA is not tried again in this process."""
     import subprocess
     import sys
 
+    global _TFLA_FAILED
+    if _TFLA_FAILED:
+        return None, _TFLA_FAILED
     why = ""
-    for chunk in (128, 64):
+    for chunk in (128,):
         try:
             done = subprocess.run([sys.executable, "-c", _TFLA_PROBE, str(B), str(NH), str(S), str(D), str(chunk)],
-                                  capture_output=True, text=True, timeout=240)
+                                  capture_output=True, text=True, timeout=120)
         except subprocess.TimeoutExpired:
-            why = f"chunk {chunk}: no result in 240 s"
+            why = f"chunk {chunk}: no result in 120 s"
             continue
         if done.returncode == 0:
             return chunk, ""
         lines = [line for line in done.stderr.splitlines() if line.strip()]
         why = f"chunk {chunk}: exit {done.returncode}: {lines[-1][:150] if lines else ''}"
-    return None, "died in a child process: " + why
+    _TFLA_FAILED = "died in a child process: " + why
+    return None, _TFLA_FAILED
+
+
+_TFLA_FAILED = ""
 
 
 def _inputs(B, NH, S, D, requires_grad):
