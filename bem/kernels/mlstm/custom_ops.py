@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 import torch.nn.functional as F
 
-from . import backward, reference
+from . import backward, reference, selfcheck
 
 CHUNK = 64  # tokens per chunk of the kernels (kMlstmChunk in mlstm_launchers.h)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -72,8 +72,13 @@ def states_dtype(q: Tensor) -> torch.dtype:
     return torch.bfloat16 if q.dtype == torch.bfloat16 else acc_dtype(q)
 
 
+def kernel_failure(device: torch.device) -> Optional[str]:
+    """Why the kernels failed their first-use check on this device (`selfcheck`), or None."""
+    return selfcheck.kernel_failure(extension(), device)
+
+
 def _kernel_takes(q: Tensor) -> bool:
-    return q.is_cuda and q.dtype in KERNEL_DTYPES and extension() is not None
+    return q.is_cuda and q.dtype in KERNEL_DTYPES and extension() is not None and kernel_failure(q.device) is None
 
 
 @torch.library.custom_op("bem::mlstm_chunkwise_fwd", mutates_args=())

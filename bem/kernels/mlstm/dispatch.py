@@ -37,6 +37,10 @@ def mlstm_unavailable_reason(q: Tensor, use_fused: bool = True) -> Optional[str]
     B, NH = q.shape[0], q.shape[1]
     if B * NH > 65535:
         return f"B * NH = {B * NH} exceeds the kernels' grid (65535)"
+    if not torch.compiler.is_compiling():  # traced calls meet the same check inside the custom ops
+        failure = custom_ops.kernel_failure(q.device)
+        if failure is not None:
+            return f"the kernels failed their first-use check against the reference ({failure})"
     return None
 
 
