@@ -8,18 +8,26 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bem.kernels.mlstm import custom_ops, mlstm, mlstm_step, mlstm_unavailable_reason, reference
+from bem.kernels.mlstm import custom_ops, mlstm, mlstm_step, mlstm_unavailable_reason, reference, selfcheck
 from .kernel_helpers import bound, poison_allocator, rel_err, stable_seed
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available()
-        or mlstm_unavailable_reason(torch.empty(1, 1, 1, 1, device="cuda" if torch.cuda.is_available() else "cpu"))
-        is not None,
-        reason="needs a CUDA GPU and the mLSTM kernels",
-    ),
+    pytest.mark.skipif(not torch.cuda.is_available() or custom_ops.extension() is None,
+                       reason="needs a CUDA GPU and the mLSTM kernels"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def kernels_without_first_use_check(monkeypatch):
+    """The tests run the kernels themselves: a kernel that fails its first-use check must fail here, not
+    step aside for the reference (test_first_use_check_passes runs the check)."""
+    monkeypatch.setenv("BEM_MLSTM_SELFCHECK", "0")
+
+
+def test_first_use_check_passes():
+    assert selfcheck._check(custom_ops.extension(), torch.device("cuda")) is None
+    assert mlstm_unavailable_reason(torch.empty(1, 1, 1, 1, device="cuda")) is None
 
 
 def operands(B, NH, S, DK, DV, dtype, seed, gates=(-4.0, 6.0), requires_grad=False):
