@@ -63,6 +63,7 @@ class CacheState:
     seen_tokens: Optional[int] = 0
     in_place: bool = False
     empty: bool = False
+    pinned: bool = False  # its tensors were made outside torch.compile and marked as fixed addresses
 
     @property
     def batch_size(self) -> Optional[int]:
@@ -88,6 +89,7 @@ class CacheState:
         for part in self.parts.values():
             for tensor in part.tensors():
                 torch._dynamo.mark_static_address(tensor, guard=False)
+        self.pinned = True
 
     def index_select(self, index: torch.Tensor) -> "CacheState":
         selected = {name: part.index_select(index) for name, part in self.parts.items()}

@@ -170,7 +170,9 @@ class CallHooks:
         else:
             seen = (0 if previous is None else previous.seen_tokens) + call.new_tokens
         kept = cache_state.get_state(cache)
-        if in_place and kept is not None and kept.can_take(call.new_parts):
+        # in place only into tensors made outside torch.compile: ones a compiled call returned belong to its
+        # CUDA graphs' memory (a static cache's first call should run eagerly, as transformers' generate does)
+        if in_place and kept is not None and kept.pinned and kept.can_take(call.new_parts):
             kept.take(call.new_parts, seen)
         else:
             state = CacheState(call.new_parts, seen, in_place=in_place)
