@@ -1,8 +1,390 @@
-// Torch bindings of the fftconv op family (filled in by its kernels).
+// Torch bindings of the fftconv op family: every argument checked, naming the operand (ValueError, or
+// TypeError for a dtype), before anything is allocated or launched; the choice between the block kernels
+// (L <= 16384) and cuFFT around the element-wise kernels (longer); allocation; every launch checked.
 #include <torch/extension.h>
 
-namespace bem {
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
-void bind_fftconv(pybind11::module_& m) { (void)m; }
+#include <climits>
+#include <mutex>
+#include <stdexcept>
+#include <vector>
+
+#include "fftconv.h"
+
+namespace bem {
+namespace {
+
+namespace fc = fftconv;
+using at::Tensor;
+using OptTensor = c10::optional<Tensor>;
+
+#define FFTCONV_CHECK(cond, ...) \
+  if (!(cond)) throw std::invalid_argument(c10::str("bem fftconv: ", __VA_ARGS__))
+#define FFTCONV_CHECK_DTYPE(cond, ...) \
+  if (!(cond)) throw pybind11::type_error(c10::str("bem fftconv: ", __VA_ARGS__))
+
+fc::Dtype dtype_of(const Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kHalf: return fc::Dtype::kHalf;
+    case at::kBFloat16: return fc::Dtype::kBFloat16;
+    case at::kFloat: return fc::Dtype::kFloat;
+    default: break;
+  }
+  FFTCONV_CHECK_DTYPE(false, name, " must be float16, bfloat16 or float32 for the kernels, got ", t.scalar_type());
+  return fc::Dtype::kFloat;
+}
+
+void check_on(const Tensor& t, const char* name, const Tensor& u) {
+  FFTCONV_CHECK(t.device() == u.device(), name, " is on ", t.device(), " but u is on ", u.device());
+  FFTCONV_CHECK(t.is_contiguous(), name, " must be contiguous; got sizes ", t.sizes(), " strides ", t.strides());
+}
+
+int num_sms(int device) {
+  static std::mutex lock;
+  static std::vector<int> cache;
+  std::lock_guard<std::mutex> guard(lock);
+  if (device >= (int)cache.size()) cache.resize(device + 1, 0);
+  if (cache[device] == 0)
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&cache[device], cudaDevAttrMultiProcessorCount, device));
+  return cache[device];
+}
+
+cudaStream_t stream_now() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+const void* ptr(const OptTensor& t) { return t.has_value() ? t->data_ptr() : nullptr; }
+
+struct Shape {
+  int64_t B, H, L, Lk, M, taps;
+  fc::Dtype dtype;
+};
+
+// u: (B, H, L) on CUDA; k: (H, Lk); D: (H,); gates: u's shape and dtype; all contiguous, on u's device.
+Shape check_operands(const Tensor& u, const Tensor& k, const OptTensor& D, const OptTensor& pregate,
+                     const OptTensor& postgate) {
+  FFTCONV_CHECK(u.is_cuda(), "u must be a CUDA tensor, got one on ", u.device());
+  FFTCONV_CHECK(u.dim() == 3, "u must be 3-D (B, H, L), got shape ", u.sizes());
+  Shape s{u.size(0), u.size(1), u.size(2), 0, 0, 0, dtype_of(u, "u")};
+  check_on(u, "u", u);
+  FFTCONV_CHECK(s.L >= 1 && s.L <= (int64_t)1 << 26, "u's length L must be in [1, 2^26], got ", s.L);
+  FFTCONV_CHECK(s.B * s.H < INT_MAX, "B * H must be below 2^31, got ", s.B, " * ", s.H);
+  dtype_of(k, "k");
+  check_on(k, "k", u);
+  FFTCONV_CHECK(k.dim() == 2 && k.size(0) == s.H && k.size(1) >= 1, "k must be (H, Lk) = (", s.H,
+                ", Lk >= 1), got ", k.sizes());
+  s.Lk = k.size(1);
+  s.taps = std::min(s.Lk, s.L);
+  s.M = fc::spectrum_length(s.L);
+  if (D.has_value()) {
+    dtype_of(*D, "D");
+    check_on(*D, "D", u);
+    FFTCONV_CHECK(D->dim() == 1 && D->size(0) == s.H, "D must be (H,) = (", s.H, ",), got ", D->sizes());
+  }
+  for (const auto& [gate, name] : {std::make_pair(&pregate, "pregate"), std::make_pair(&postgate, "postgate")}) {
+    if (!gate->has_value()) continue;
+    const Tensor& g = **gate;
+    FFTCONV_CHECK_DTYPE(g.scalar_type() == u.scalar_type(), name, " has dtype ", g.scalar_type(), " but u has ",
+                        u.scalar_type());
+    check_on(g, name, u);
+    FFTCONV_CHECK(g.sizes() == u.sizes(), name, " must have u's shape ", u.sizes(), ", got ", g.sizes());
+  }
+  return s;
+}
+
+OptTensor float32(const OptTensor& t) {
+  if (!t.has_value()) return c10::nullopt;
+  return t->scalar_type() == at::kFloat ? *t : t->to(at::kFloat);
+}
+
+// S = rfft(k[:, :taps], n = 2M): complex64 (H, M + 1)
+Tensor compute_spectrum(const Tensor& k, int64_t taps, int64_t M) {
+  const int64_t H = k.size(0);
+  if (M <= fc::kMaxBlockSpectrum) {
+    const Tensor k32 = k.scalar_type() == at::kFloat ? k : k.to(at::kFloat);
+    Tensor S = at::empty({H, M + 1}, k.options().dtype(at::kComplexFloat));
+    if (H == 0) return S;
+    const fc::SpectrumArgs args{k32.data_ptr<float>(), reinterpret_cast<float2*>(S.data_ptr()), (int)H,
+                                (int)k.size(1), (int)taps};
+    C10_CUDA_CHECK(fc::launch_spectrum((int)M, args, num_sms(k.get_device()), stream_now()));
+    return S;
+  }
+  Tensor padded = at::zeros({H, 2 * M}, k.options().dtype(at::kFloat));
+  padded.narrow(1, 0, taps).copy_(k.narrow(1, 0, taps));
+  return at::fft_rfft(padded, 2 * M, -1);
+}
+
+Tensor spectrum_for(const Tensor& k, const Shape& s, const OptTensor& given) {
+  if (!given.has_value()) return compute_spectrum(k, s.taps, s.M);
+  const Tensor& S = *given;
+  FFTCONV_CHECK(S.device() == k.device(), "spectrum is on ", S.device(), " but k is on ", k.device());
+  FFTCONV_CHECK_DTYPE(S.scalar_type() == at::kComplexFloat, "spectrum must be complex64, got ", S.scalar_type());
+  FFTCONV_CHECK(S.dim() == 2 && S.size(0) == s.H && S.size(1) == s.M + 1 && S.is_contiguous(),
+                "spectrum must be a contiguous (H, M + 1) = (", s.H, ", ", s.M + 1,
+                ") tensor for this length, got ", S.sizes());
+  return S;
+}
+
+Tensor fftconv_spectrum(const Tensor& k, int64_t L) {
+  FFTCONV_CHECK(k.is_cuda(), "k must be a CUDA tensor, got one on ", k.device());
+  dtype_of(k, "k");
+  FFTCONV_CHECK(k.is_contiguous(), "k must be contiguous; got strides ", k.strides());
+  FFTCONV_CHECK(k.dim() == 2 && k.size(1) >= 1, "k must be (H, Lk) with Lk >= 1, got ", k.sizes());
+  FFTCONV_CHECK(L >= 1 && L <= (int64_t)1 << 26, "L must be in [1, 2^26], got ", L);
+  const c10::cuda::CUDAGuard guard(k.device());
+  return compute_spectrum(k, std::min<int64_t>(k.size(1), L), fc::spectrum_length(L));
+}
+
+int log2_of(int64_t power_of_two) {
+  int bits = 0;
+  while (((int64_t)1 << bits) < power_of_two) ++bits;
+  return bits;
+}
+
+fc::RowsArgs rows_args(const Shape& s, const Tensor& u, const OptTensor& pregate, const OptTensor& postgate,
+                       const OptTensor& D32, bool gelu) {
+  fc::RowsArgs r{};
+  r.u = u.data_ptr();
+  r.pregate = ptr(pregate);
+  r.postgate = ptr(postgate);
+  r.D = D32.has_value() ? D32->data_ptr<float>() : nullptr;
+  r.rows = s.B * s.H;
+  r.H = (int)s.H;
+  r.L = (int)s.L;
+  r.log2_padded = log2_of(2 * s.M);
+  r.gelu = gelu;
+  return r;
+}
+
+Tensor dk_of(const Tensor& correlation, const Tensor& k) {  // (H, taps) float32 -> (H, Lk) in k's dtype
+  if (correlation.size(1) == k.size(1)) return correlation.to(k.scalar_type());
+  Tensor dk = at::zeros_like(k);
+  dk.narrow(1, 0, correlation.size(1)).copy_(correlation);
+  return dk;
+}
+
+Tensor fftconv_forward(const Tensor& u, const Tensor& k, const OptTensor& D, const OptTensor& pregate,
+                       const OptTensor& postgate, bool gelu, const OptTensor& spectrum) {
+  const Shape s = check_operands(u, k, D, pregate, postgate);
+  const c10::cuda::CUDAGuard guard(u.device());
+  Tensor y = at::empty_like(u);
+  if (u.numel() == 0) return y;
+  const Tensor S = spectrum_for(k, s, spectrum);
+  const OptTensor D32 = float32(D);
+  if (s.M <= fc::kMaxBlockSpectrum) {
+    const fc::ForwardArgs args{u.data_ptr(), ptr(pregate), ptr(postgate),
+                               reinterpret_cast<const float2*>(S.data_ptr()),
+                               D32.has_value() ? D32->data_ptr<float>() : nullptr,
+                               y.data_ptr(), s.B * s.H, (int)s.H, (int)s.L, gelu};
+    C10_CUDA_CHECK(fc::launch_forward(s.dtype, (int)s.M, args, num_sms(u.get_device()), stream_now()));
+    return y;
+  }
+  // longer: cuFFT's transforms of the float32 padded rows; one element-wise pass before, one after
+  fc::RowsArgs r = rows_args(s, u, pregate, postgate, D32, gelu);
+  r.y = y.data_ptr();
+  const int64_t N = 2 * s.M;
+  Tensor v = at::empty({r.rows, N}, u.options().dtype(at::kFloat));
+  C10_CUDA_CHECK(fc::launch_pad_rows(s.dtype, u.data_ptr(), ptr(pregate), v.data_ptr<float>(), r, stream_now()));
+  Tensor V = at::fft_rfft(v, N, -1);
+  v.reset();
+  V.view({s.B, s.H, s.M + 1}).mul_(S);
+  const Tensor conv = at::fft_irfft(V, N, -1);
+  V.reset();
+  C10_CUDA_CHECK(fc::launch_forward_epilogue(s.dtype, conv.data_ptr<float>(), r, stream_now()));
+  return y;
+}
+
+std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, const Tensor& k, const OptTensor& D,
+                                     const OptTensor& pregate, const OptTensor& postgate, bool gelu,
+                                     const OptTensor& spectrum, const std::vector<bool>& needs) {
+  const Shape s = check_operands(u, k, D, pregate, postgate);
+  FFTCONV_CHECK(needs.size() == 5, "needs must name 5 gradients (u, k, D, pregate, postgate), got ", needs.size());
+  FFTCONV_CHECK_DTYPE(grad_y.scalar_type() == u.scalar_type(), "grad_y has dtype ", grad_y.scalar_type(),
+                      " but u has ", u.scalar_type());
+  check_on(grad_y, "grad_y", u);
+  FFTCONV_CHECK(grad_y.sizes() == u.sizes(), "grad_y must have u's shape ", u.sizes(), ", got ", grad_y.sizes());
+  const bool need_u = needs[0], need_k = needs[1], need_D = needs[2] && D.has_value();
+  const bool need_pre = needs[3] && pregate.has_value(), need_post = needs[4] && postgate.has_value();
+  const bool need_c = gelu || need_post;
+  const c10::cuda::CUDAGuard guard(u.device());
+  const Tensor none = at::empty({0}, u.options());
+  Tensor du = need_u ? at::empty_like(u) : Tensor();
+  Tensor dpre = need_pre ? at::empty_like(u) : Tensor();
+  Tensor dpost = need_post ? at::empty_like(u) : Tensor();
+  Tensor dk, dD;
+  auto out = [&](const Tensor& t) { return t.defined() ? t : none; };
+  if (u.numel() == 0) {
+    if (need_k) dk = at::zeros_like(k);
+    if (need_D) dD = at::zeros_like(*D);
+    return {out(du), out(dk), out(dD), out(dpre), out(dpost)};
+  }
+  const Tensor S = spectrum_for(k, s, spectrum);
+  const OptTensor D32 = float32(D);
+  const int sms = num_sms(u.get_device());
+  auto f32 = [](Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
+  if (s.M <= fc::kMaxBlockSpectrum) {
+    // one block per (h, group of batch rows): as many groups as fill the GPU once, dk and dD summed after
+    const int full = fc::backward_blocks(s.dtype, (int)s.M, INT_MAX, sms);
+    FFTCONV_CHECK(full > 0, "the backward kernel does not fit this GPU");
+    const int64_t wanted = std::min<int64_t>(s.B, std::max<int64_t>(1, (full + s.H - 1) / s.H));
+    const int64_t rows_per_group = (s.B + wanted - 1) / wanted;
+    const int64_t groups = (s.B + rows_per_group - 1) / rows_per_group;
+    const int blocks = fc::backward_blocks(s.dtype, (int)s.M, s.H * groups, sms);
+    const bool scratch_needed = need_k || ((D.has_value() || need_D) && need_c);
+    Tensor scratch = scratch_needed ? at::empty({blocks * fc::backward_scratch_per_block((int)s.M)},
+                                                u.options().dtype(at::kFloat))
+                                    : Tensor();
+    Tensor dk_part = need_k ? at::empty({s.H, groups, s.taps}, u.options().dtype(at::kFloat)) : Tensor();
+    Tensor dD_part = need_D ? at::empty({s.H, groups}, u.options().dtype(at::kFloat)) : Tensor();
+    fc::BackwardArgs args{};
+    args.dy = grad_y.data_ptr();
+    args.u = u.data_ptr();
+    args.pregate = ptr(pregate);
+    args.postgate = ptr(postgate);
+    args.S = reinterpret_cast<const float2*>(S.data_ptr());
+    args.D = D32.has_value() ? D32->data_ptr<float>() : nullptr;
+    args.du = need_u ? du.data_ptr() : nullptr;
+    args.dpregate = need_pre ? dpre.data_ptr() : nullptr;
+    args.dpostgate = need_post ? dpost.data_ptr() : nullptr;
+    args.dk_part = f32(dk_part);
+    args.dD_part = f32(dD_part);
+    args.scratch = f32(scratch);
+    args.B = (int)s.B;
+    args.H = (int)s.H;
+    args.L = (int)s.L;
+    args.taps = (int)s.taps;
+    args.groups = (int)groups;
+    args.rows_per_group = (int)rows_per_group;
+    args.gelu = gelu;
+    args.need_c = need_c;
+    C10_CUDA_CHECK(fc::launch_backward(s.dtype, (int)s.M, args, blocks, stream_now()));
+    if (need_k) dk = dk_of(dk_part.sum(1), k);
+    if (need_D) dD = dD_part.sum(1).to(D->scalar_type());
+    return {out(du), out(dk), out(dD), out(dpre), out(dpost)};
+  }
+  // longer: cuFFT; V = FFT(v) and G = FFT(g) give dk = IFFT(sum_b G conj V) and dv = IFFT(G conj S)
+  fc::RowsArgs r = rows_args(s, u, pregate, postgate, D32, gelu);
+  r.dy = grad_y.data_ptr();
+  r.du = need_u ? du.data_ptr() : nullptr;
+  r.dpregate = need_pre ? dpre.data_ptr() : nullptr;
+  r.dpostgate = need_post ? dpost.data_ptr() : nullptr;
+  const int64_t N = 2 * s.M;
+  const auto rows3 = std::vector<int64_t>{s.B, s.H, s.M + 1};
+  Tensor v = at::empty({r.rows, N}, u.options().dtype(at::kFloat));
+  C10_CUDA_CHECK(fc::launch_pad_rows(s.dtype, u.data_ptr(), ptr(pregate), v.data_ptr<float>(), r, stream_now()));
+  Tensor V = at::fft_rfft(v, N, -1);
+  Tensor g = at::empty({r.rows, N}, u.options().dtype(at::kFloat));
+  if (need_c) {
+    const Tensor conv = at::fft_irfft(V.view(rows3).mul(S).view({r.rows, s.M + 1}), N, -1);
+    C10_CUDA_CHECK(fc::launch_activation_backward(s.dtype, conv.data_ptr<float>(), g.data_ptr<float>(), r,
+                                                  stream_now()));
+  } else {
+    C10_CUDA_CHECK(fc::launch_pad_rows(s.dtype, grad_y.data_ptr(), ptr(postgate), g.data_ptr<float>(), r,
+                                       stream_now()));
+  }
+  if (need_D) {
+    dD = (g.narrow(1, 0, s.L) * v.narrow(1, 0, s.L)).view({s.B, s.H, s.L}).sum({0, 2}).to(D->scalar_type());
+  }
+  v.reset();
+  Tensor G = at::fft_rfft(g, N, -1);
+  if (need_k) {
+    const Tensor product = (G.view(rows3) * V.view(rows3).conj()).sum(0);
+    dk = dk_of(at::fft_irfft(product, N, -1).narrow(1, 0, s.taps), k);
+  }
+  V.reset();
+  if (need_u || need_pre) {
+    G.view(rows3).mul_(S.conj());
+    const Tensor corr = at::fft_irfft(G, N, -1);
+    G.reset();
+    C10_CUDA_CHECK(fc::launch_input_grads(s.dtype, corr.data_ptr<float>(), g.data_ptr<float>(), r, stream_now()));
+  }
+  return {out(du), out(dk), out(dD), out(dpre), out(dpost)};
+}
+
+Tensor fftconv_step(const Tensor& history, const Tensor& u_t, const Tensor& k, const OptTensor& position,
+                    int64_t position_value, const OptTensor& D, const OptTensor& pregate, const OptTensor& postgate,
+                    bool gelu) {
+  FFTCONV_CHECK(u_t.is_cuda(), "u_t must be a CUDA tensor, got one on ", u_t.device());
+  FFTCONV_CHECK(u_t.dim() == 2, "u_t must be 2-D (B, H), got shape ", u_t.sizes());
+  const fc::Dtype dtype = dtype_of(u_t, "u_t");
+  check_on(u_t, "u_t", u_t);
+  const int64_t B = u_t.size(0), H = u_t.size(1);
+  FFTCONV_CHECK(B * H < INT_MAX, "B * H must be below 2^31, got ", B, " * ", H);
+  FFTCONV_CHECK_DTYPE(history.scalar_type() == u_t.scalar_type(), "history has dtype ", history.scalar_type(),
+                      " but u_t has ", u_t.scalar_type());
+  check_on(history, "history", u_t);
+  FFTCONV_CHECK(history.dim() == 3 && history.size(0) == B && history.size(1) == H && history.size(2) >= 1 &&
+                    history.size(2) < INT_MAX,
+                "history must be (B, H, Lmax) = (", B, ", ", H, ", Lmax >= 1), got ", history.sizes());
+  const fc::Dtype k_dtype = dtype_of(k, "k");
+  check_on(k, "k", u_t);
+  FFTCONV_CHECK(k.dim() == 2 && k.size(0) == H && k.size(1) >= 1 && k.size(1) < INT_MAX,
+                "k must be (H, Lk) = (", H, ", Lk >= 1), got ", k.sizes());
+  if (D.has_value()) {
+    dtype_of(*D, "D");
+    check_on(*D, "D", u_t);
+    FFTCONV_CHECK(D->dim() == 1 && D->size(0) == H, "D must be (H,) = (", H, ",), got ", D->sizes());
+  }
+  for (const auto& [gate, name] : {std::make_pair(&pregate, "pregate"), std::make_pair(&postgate, "postgate")}) {
+    if (!gate->has_value()) continue;
+    FFTCONV_CHECK_DTYPE((*gate)->scalar_type() == u_t.scalar_type(), name, " has dtype ",
+                        (*gate)->scalar_type(), " but u_t has ", u_t.scalar_type());
+    check_on(**gate, name, u_t);
+    FFTCONV_CHECK((*gate)->sizes() == u_t.sizes(), name, " must be (B, H) = (", B, ", ", H, "), got ",
+                  (*gate)->sizes());
+  }
+  if (position.has_value()) {
+    FFTCONV_CHECK_DTYPE(position->scalar_type() == at::kLong && position->dim() == 0,
+                        "position must be a 0-d int64 tensor, got ", position->scalar_type(), " of shape ",
+                        position->sizes());
+    FFTCONV_CHECK(position->device() == u_t.device(), "position is on ", position->device(), " but u_t is on ",
+                  u_t.device());
+  } else {
+    FFTCONV_CHECK(position_value >= 0 && position_value < history.size(2), "position must be in [0, ",
+                  history.size(2), ") (the history's length), got ", position_value);
+  }
+  const c10::cuda::CUDAGuard guard(u_t.device());
+  Tensor y = at::empty_like(u_t);
+  const OptTensor D32 = float32(D);
+  fc::StepArgs args{};
+  args.history = history.data_ptr();
+  args.u = u_t.data_ptr();
+  args.pregate = ptr(pregate);
+  args.postgate = ptr(postgate);
+  args.k = k.data_ptr();
+  args.D = D32.has_value() ? D32->data_ptr<float>() : nullptr;
+  args.position = position.has_value() ? position->data_ptr<int64_t>() : nullptr;
+  args.y = y.data_ptr();
+  args.position_value = position_value;
+  args.rows = (int)(B * H);
+  args.H = (int)H;
+  args.Lmax = (int)history.size(2);
+  args.Lk = (int)k.size(1);
+  args.gelu = gelu;
+  C10_CUDA_CHECK(fc::launch_step(dtype, k_dtype, args, stream_now()));
+  return y;
+}
+
+}  // namespace
+
+void bind_fftconv(pybind11::module_& m) {
+  namespace py = pybind11;
+  m.def("fftconv_spectrum", &fftconv_spectrum, "S = rfft(k[:, :L], n = 2M), complex64 (H, M + 1)", py::arg("k"),
+        py::arg("L"));
+  m.def("fftconv_forward", &fftconv_forward,
+        "postgate ⊙ act(conv(pregate ⊙ u, k) + D ⊙ pregate ⊙ u), causal; spectrum: S of fftconv_spectrum or None",
+        py::arg("u"), py::arg("k"), py::arg("D"), py::arg("pregate"), py::arg("postgate"), py::arg("gelu"),
+        py::arg("spectrum"));
+  m.def("fftconv_backward", &fftconv_backward,
+        "(du, dk, dD, dpregate, dpostgate); needs: which of the five, the others empty", py::arg("grad_y"),
+        py::arg("u"), py::arg("k"), py::arg("D"), py::arg("pregate"), py::arg("postgate"), py::arg("gelu"),
+        py::arg("spectrum"), py::arg("needs"));
+  m.def("fftconv_step", &fftconv_step,
+        "one decoding step: history[:, :, p] = pregate ⊙ u_t in place; returns y_t (B, H)", py::arg("history"),
+        py::arg("u_t"), py::arg("k"), py::arg("position"), py::arg("position_value"), py::arg("D"),
+        py::arg("pregate"), py::arg("postgate"), py::arg("gelu"));
+  m.attr("FFTCONV_MAX_BLOCK_LENGTH") = fc::kMaxBlockSpectrum;
+}
 
 }  // namespace bem

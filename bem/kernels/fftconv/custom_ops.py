@@ -1,14 +1,14 @@
 """The fftconv kernels as `torch.library` custom ops, with fake (meta) implementations for torch.compile and
 the autograd formula. Registered whether or not the extension loaded; only running them needs it.
 
-    bem::fftconv_spectrum(k, D, L)                        -> S, complex64 (H, M + 1)
+    bem::fftconv_spectrum(k, L)                           -> S, complex64 (H, M + 1)
     bem::fftconv(u, k, D, pregate, postgate, gelu, S)     -> y, u's shape and dtype
     bem::fftconv_bwd(dy, u, k, D, pregate, postgate, gelu, S, needs) -> (du, dk, dD, dpregate, dpostgate)
     bem::fftconv_step(history!, u_t, k, position, position_value, D, pregate, postgate, gelu) -> y_t
 
-M = max(1024, next power of two >= L); S is the filter's spectrum with D folded in, as the kernels of that
-length read it: passing the S of an earlier call with the same k, D and L skips its computation (the
-dispatch caches it at inference), None computes it. Backward, with v = pregate ⊙ u, c = conv(v, k) + D ⊙ v,
+M = max(1024, next power of two >= L); S = rfft(k[:, :L], n = 2M), the filter's spectrum: passing the S of
+an earlier call with the same k and spectrum length skips its computation (the dispatch caches it at
+inference), None computes it. Backward, with v = pregate ⊙ u, c = conv(v, k) + D ⊙ v,
 g = dy ⊙ postgate ⊙ act'(c):
     dpostgate = dy ⊙ act(c),  dv = corr(g, k) + D ⊙ g (anti-causal),  du = dv ⊙ pregate,  dpregate = dv ⊙ u,
     dk[j] = sum_{b,t} g_t v_{t-j},  dD = sum_{b,t} g_t v_t.
@@ -16,7 +16,9 @@ A gradient that is not needed comes back as an empty tensor (the op's schema has
 
 The extension is `bem._C` (`bem.kernels.custom_ops.extension()`). With BEM_FFTCONV_DEV_MODULE=1 it is
 instead a module of this family's sources alone, built just in time (scripts/gpu_fftconv.sh): the other
-families' sources need not compile for these kernels to be built and tested.
+families' sources need not compile for these kernels to be built and tested. BEM_FFTCONV_DEV_OBJECTS names a
+folder of the CUDA sources' objects compiled ahead (`scripts/gpu_fftconv.sh objects`): then only the bindings
+are compiled.
 """
 
 from __future__ import annotations
@@ -40,10 +42,16 @@ def _dev_module() -> Optional[ModuleType]:
     from torch.utils.cpp_extension import load
 
     root = Path(__file__).resolve().parents[3]
-    sources = sorted(str(p) for p in loader.CSRC.glob("fftconv*.cu")) + [
-        str(loader.CSRC / "fftconv_bindings.cpp"), str(root / "scripts" / "fftconv_dev_module.cpp")]
+    bindings = [str(loader.CSRC / "fftconv_bindings.cpp"), str(root / "scripts" / "fftconv_dev_module.cpp")]
+    verbose = os.environ.get("BEM_JIT_VERBOSE") == "1"
+    objects = os.environ.get("BEM_FFTCONV_DEV_OBJECTS")
+    if objects:
+        prebuilt = sorted(str(p) for p in Path(objects).glob("fftconv*.o"))
+        return load(name="bem_fftconv_dev_objects", sources=bindings, extra_cflags=loader.CXX_FLAGS,
+                    extra_ldflags=prebuilt, with_cuda=True, verbose=verbose)
+    sources = sorted(str(p) for p in loader.CSRC.glob("fftconv*.cu")) + bindings
     return load(name="bem_fftconv_dev", sources=sources, extra_cflags=loader.CXX_FLAGS,
-                extra_cuda_cflags=loader.NVCC_FLAGS, verbose=os.environ.get("BEM_JIT_VERBOSE") == "1")
+                extra_cuda_cflags=loader.NVCC_FLAGS, verbose=verbose)
 
 
 def extension() -> Optional[ModuleType]:
@@ -72,12 +80,12 @@ def spectrum_length(L: int) -> int:
 
 
 @torch.library.custom_op("bem::fftconv_spectrum", mutates_args=())
-def fftconv_spectrum(k: Tensor, D: Optional[Tensor], L: int) -> Tensor:
-    return _ext().fftconv_spectrum(k, D, L)
+def fftconv_spectrum(k: Tensor, L: int) -> Tensor:
+    return _ext().fftconv_spectrum(k, L)
 
 
 @fftconv_spectrum.register_fake
-def _(k, D, L):
+def _(k, L):
     return k.new_empty(k.shape[0], spectrum_length(L) + 1, dtype=torch.complex64)
 
 

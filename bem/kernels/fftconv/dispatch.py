@@ -37,38 +37,35 @@ def fftconv_unavailable_reason(u: torch.Tensor, k: Optional[torch.Tensor] = None
 
 
 class SpectrumCache:
-    """The filter's spectrum (with D folded in) kept per k tensor at inference: reused while the same k and
-    D objects, unchanged (their version counters) and alive, are convolved over sequences of the same
-    spectrum length. Entries die with their k. Never used where autograd needs k or D, while compiling,
-    while a CUDA graph is being captured (the graph must own what it reads), or for inference-mode tensors
-    (no version counter)."""
+    """The filter's spectrum kept per k tensor at inference: reused while the same k object, unchanged (its
+    version counter) and alive, is convolved over sequences of the same spectrum length. Entries die with
+    their k. Never used where autograd needs k, while compiling, while a CUDA graph is being captured (the
+    graph must own what it reads), or for inference-mode tensors (no version counter)."""
 
     def __init__(self, size: int = 8) -> None:
         self.size = size
         self._entries: OrderedDict[int, tuple] = OrderedDict()
 
     @staticmethod
-    def applies(u: torch.Tensor, k: torch.Tensor, D: Optional[torch.Tensor]) -> bool:
+    def applies(u: torch.Tensor, k: torch.Tensor) -> bool:
         if torch.compiler.is_compiling():
             return False
         if u.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return False
-        if torch.is_grad_enabled() and (k.requires_grad or (D is not None and D.requires_grad)):
+        if torch.is_grad_enabled() and k.requires_grad:
             return False
-        return not (k.is_inference() or (D is not None and D.is_inference()))
+        return not k.is_inference()
 
-    def get(self, k: torch.Tensor, D: Optional[torch.Tensor], L: int) -> torch.Tensor:
+    def get(self, k: torch.Tensor, L: int) -> torch.Tensor:
         key = id(k)
-        state = (k._version, k.data_ptr(), custom_ops.spectrum_length(L),
-                 None if D is None else (id(D), D._version, D.data_ptr()))
+        state = (k._version, k.data_ptr(), k.dtype, custom_ops.spectrum_length(L))
         entry = self._entries.get(key)
-        if entry is not None and entry[0]() is k and entry[1] == state and (D is None or entry[2]() is D):
+        if entry is not None and entry[0]() is k and entry[1] == state:
             self._entries.move_to_end(key)
-            return entry[3]
-        spectrum = custom_ops.fftconv_spectrum(k, D, L)
+            return entry[2]
+        spectrum = custom_ops.fftconv_spectrum(k, L)
         entries = self._entries
-        self._entries[key] = (weakref.ref(k, lambda _, key=key: entries.pop(key, None)), state,
-                              None if D is None else weakref.ref(D), spectrum)
+        self._entries[key] = (weakref.ref(k, lambda _, key=key: entries.pop(key, None)), state, spectrum)
         while len(self._entries) > self.size:
             self._entries.popitem(last=False)
         return spectrum
@@ -99,7 +96,7 @@ def fftconv(
         return reference.fftconv_fft(u, k, D, pregate, postgate, gelu)
     contiguous = [None if t is None else t.contiguous() for t in (u, k, D, pregate, postgate)]
     u, k, D, pregate, postgate = contiguous
-    spectrum = SPECTRA.get(k, D, u.shape[-1]) if SpectrumCache.applies(u, k, D) else None
+    spectrum = SPECTRA.get(k, u.shape[-1]) if SpectrumCache.applies(u, k) else None
     return custom_ops.fftconv(u, k, D, pregate, postgate, bool(gelu), spectrum)
 
 

@@ -1,0 +1,129 @@
+// Host-side entry points of the fftconv kernels, in plain CUDA types (the torch bindings live in
+// fftconv_bindings.cpp). One flat argument struct per kernel.
+//
+// Spectrum length M = max(1024, next power of two >= L): the convolution runs as real FFTs of size 2M.
+// S, the filter's spectrum, is complex (H, M + 1): S = rfft(k[:, :L], n = 2M). D ⊙ v is added directly.
+// Up to M = 16384 (L <= 16384) one thread block transforms one row in shared memory (fftconv_block.cuh);
+// above, cuFFT does the transforms and the kernels of fftconv_long.cu the element-wise work.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace bem {
+namespace fftconv {
+
+enum class Dtype { kHalf, kBFloat16, kFloat };
+
+constexpr int kMinSpectrum = 1024;
+constexpr int kMaxBlockSpectrum = 16384;
+
+inline int64_t spectrum_length(int64_t L) {
+  int64_t M = kMinSpectrum;
+  while (M < L) M *= 2;
+  return M;
+}
+
+// S[h] = rfft(k[h, :taps], n = 2M); k: float32 (H, Lk) row-major, taps = min(Lk, L).
+struct SpectrumArgs {
+  const float* k;
+  float2* S;  // (H, M + 1)
+  int H, Lk, taps;
+};
+
+// y = postgate ⊙ act(conv(pregate ⊙ u, k) + D ⊙ pregate ⊙ u) per row (B * H rows of L); gates may be null.
+struct ForwardArgs {
+  const void* u;
+  const void* pregate;
+  const void* postgate;
+  const float2* S;
+  const float* D;  // float32 (H,) or null
+  void* y;
+  int64_t rows;
+  int H, L;
+  bool gelu;
+};
+
+// The backward (bem/kernels/fftconv/custom_ops.py has the formulas). Outputs that are null are not
+// computed. Each item (h, group of rows_per_group batch rows) writes its share of dk to dk_part, float32
+// (H, groups, taps), and of dD to dD_part, float32 (H, groups). scratch: float32, backward_blocks() *
+// backward_scratch_per_block(M), needed when dk_part is given or (D or dD_part given and need_c).
+struct BackwardArgs {
+  const void* dy;
+  const void* u;
+  const void* pregate;
+  const void* postgate;
+  const float2* S;
+  const float* D;
+  void* du;
+  void* dpregate;
+  void* dpostgate;
+  float* dk_part;
+  float* dD_part;
+  float* scratch;
+  int B, H, L, taps, groups, rows_per_group;
+  bool gelu;
+  bool need_c;  // the recomputed pre-activation is needed: GELU on, or dpostgate wanted
+};
+
+int backward_blocks(Dtype dtype, int M, int64_t items, int num_sms);
+int64_t backward_scratch_per_block(int M);
+cudaError_t launch_spectrum(int M, const SpectrumArgs& args, int num_sms, cudaStream_t stream);
+cudaError_t launch_forward(Dtype dtype, int M, const ForwardArgs& args, int num_sms, cudaStream_t stream);
+cudaError_t launch_backward(Dtype dtype, int M, const BackwardArgs& args, int blocks, cudaStream_t stream);
+
+// ---- above M = 16384: element-wise passes around cuFFT (fftconv_long.cu), rows of L, padded rows of 2M ----
+
+// The rows of u, pregate, postgate, dy, du, dpregate, dpostgate (rows = B H, of L); h = row % H.
+struct RowsArgs {
+  const void* u;
+  const void* pregate;
+  const void* postgate;
+  const void* dy;
+  const float* D;  // float32 (H,) or null
+  void* y;         // the forward's output
+  void* du;
+  void* dpregate;
+  void* dpostgate;
+  int64_t rows;
+  int H, L;
+  int log2_padded;  // the float32 rows below have 2M = 1 << log2_padded elements
+  bool gelu;
+};
+// out[r, :L] = a[r] (⊙ gate[r]) in float32, out[r, L:] = 0 (a, gate: u and pregate, or dy and postgate).
+cudaError_t launch_pad_rows(Dtype dtype, const void* a, const void* gate, float* out, const RowsArgs& rows,
+                            cudaStream_t stream);
+// y = postgate ⊙ act(conv + D ⊙ v) from float32 conv (padded rows).
+cudaError_t launch_forward_epilogue(Dtype dtype, const float* conv, const RowsArgs& rows, cudaStream_t stream);
+// From float32 conv (padded rows), c = conv + D ⊙ v: dpostgate = dy ⊙ act(c) (when not null) and
+// g = dy ⊙ postgate ⊙ act'(c) into float32 padded rows (zero past L).
+cudaError_t launch_activation_backward(Dtype dtype, const float* conv, float* g, const RowsArgs& rows,
+                                       cudaStream_t stream);
+// From float32 corr (padded rows), dv = corr + D ⊙ g (g: float32 padded rows): du = dv ⊙ pregate (dv
+// without one), dpregate = dv ⊙ u; either may be null.
+cudaError_t launch_input_grads(Dtype dtype, const float* corr, const float* g, const RowsArgs& rows,
+                               cudaStream_t stream);
+
+// ---- the decoding step (fftconv_step.cu) ----
+
+// One token per (b, h) row: history[row, p] = v = pregate ⊙ u_t, y = postgate ⊙ act(sum_{s<=p} k[h, p-s]
+// history[row, s] + D[h] v). p from *position when not null (out of [0, Lmax): y = NaN, nothing written),
+// else position_value. k has its own dtype; D is float32 or null.
+struct StepArgs {
+  void* history;
+  const void* u;
+  const void* pregate;
+  const void* postgate;
+  const void* k;
+  const float* D;
+  const int64_t* position;
+  void* y;
+  int64_t position_value;
+  int rows, H, Lmax, Lk;
+  bool gelu;
+};
+cudaError_t launch_step(Dtype dtype, Dtype k_dtype, const StepArgs& args, cudaStream_t stream);
+
+}  // namespace fftconv
+}  // namespace bem

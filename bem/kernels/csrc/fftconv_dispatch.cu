@@ -1,0 +1,51 @@
+// The filter's spectrum kernel, and the element type's choice of the forward and backward kernels.
+#include "fftconv_launch.cuh"
+
+namespace bem {
+namespace fftconv {
+
+template <int M>
+__global__ void __launch_bounds__(M / 32, Plan<M>::kMinBlocks) spectrum_kernel(const SpectrumParams p) {
+  spectrum_body<M>(p);
+}
+
+cudaError_t launch_spectrum(int M, const SpectrumArgs& args, int num_sms, cudaStream_t stream) {
+  return with_spectrum_length(M, [&](auto m) {
+    constexpr int kM = decltype(m)::value;
+    const int resident = resident_blocks(spectrum_kernel<kM>, kM / 32, Plan<kM>::kSmemBytes);
+    if (resident == 0) return cudaErrorInvalidConfiguration;
+    const SpectrumParams p{args.k, args.S, args.H, args.Lk, args.taps};
+    spectrum_kernel<kM><<<grid_for(args.H, resident, num_sms), kM / 32, Plan<kM>::kSmemBytes, stream>>>(p);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t launch_forward(Dtype dtype, int M, const ForwardArgs& args, int num_sms, cudaStream_t stream) {
+  return with_dtype(dtype, [&](auto zero) { return launch_forward_typed<decltype(zero)>(M, args, num_sms, stream); });
+}
+
+int backward_blocks(Dtype dtype, int M, int64_t items, int num_sms) {
+  int blocks = 0;
+  with_dtype(dtype, [&](auto zero) {
+    blocks = backward_blocks_typed<decltype(zero)>(M, items, num_sms);
+    return cudaSuccess;
+  });
+  return blocks;
+}
+
+int64_t backward_scratch_per_block(int M) {
+  int64_t floats = 0;
+  with_spectrum_length(M, [&](auto m) {
+    floats = backward_scratch_floats<decltype(m)::value>();
+    return cudaSuccess;
+  });
+  return floats;
+}
+
+cudaError_t launch_backward(Dtype dtype, int M, const BackwardArgs& args, int blocks, cudaStream_t stream) {
+  return with_dtype(dtype,
+                    [&](auto zero) { return launch_backward_typed<decltype(zero)>(M, args, blocks, stream); });
+}
+
+}  // namespace fftconv
+}  // namespace bem

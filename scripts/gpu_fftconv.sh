@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The fftconv kernels on a CUDA machine, built as a module of their own (bem_fftconv_dev, from
+# scripts/fftconv_dev_module.cpp) so that the other families' sources need not compile: the build, the GPU
+# tests, the benchmark; each step's log under $OUT, a one-line summary per step last.
+#   bash scripts/gpu_fftconv.sh objects            compile the CUDA sources into .fftconv_objects/ here (nvcc
+#                                                  13, sm_90a): a run that finds that folder (carry it) only
+#                                                  compiles the bindings against torch and links the objects
+#   bash scripts/gpu_fftconv.sh [tests] [bench] [quick-bench]
+set -o pipefail
+cd "$(dirname "$0")/.."
+NVCC_FLAGS=(-gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --use_fast_math -lineinfo -Xcompiler -fPIC
+            -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__
+            -D__CUDA_NO_HALF2_OPERATORS__ --expt-relaxed-constexpr)
+
+if [ "$1" = objects ]; then
+  rm -rf .fftconv_objects && mkdir -p .fftconv_objects
+  for source in bem/kernels/csrc/fftconv*.cu; do
+    name=$(basename "$source" .cu)
+    nvcc "${NVCC_FLAGS[@]}" -Xptxas -v -c "$source" -o ".fftconv_objects/$name.o" >".fftconv_objects/$name.log" 2>&1 &
+  done
+  wait
+  grep -l "error" .fftconv_objects/*.log && exit 1
+  grep -h "spill" .fftconv_objects/*.log | sort | uniq -c
+  exit 0
+fi
+
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=9.0a BEM_FFTCONV_DEV_MODULE=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+# bem._C (every family, whatever state the others are in) is neither built nor loaded: these kernels come
+# from their own module
+export BEM_DISABLE_KERNELS=1 BEM_JIT=0
+[ -d .fftconv_objects ] && export BEM_FFTCONV_DEV_OBJECTS=$PWD/.fftconv_objects
+SUMMARY=()
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+nvcc --version | tail -1
+python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
+
+start=$(date +%s)
+python3 -c "from bem.kernels.fftconv import custom_ops; assert custom_ops.extension() is not None" \
+  >"$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
+SUMMARY+=("build: $(( $(date +%s) - start )) s${BEM_FFTCONV_DEV_OBJECTS:+ (prebuilt objects)}")
+
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2 begin rc
+  shift 2
+  begin=$(date +%s)
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  SUMMARY+=("$name: exit $rc, $(( $(date +%s) - begin )) s")
+  tail -"${TAIL:-30}" "$OUT/$name.log"
+}
+
+for what in "${@:-tests bench}"; do
+  for one in $what; do
+    case $one in
+      tests) step gpu_tests "${TESTS_LIMIT:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+          tests/gpu/test_fftconv.py ;;
+      cpu-tests) step cpu_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_fftconv_reference.py ;;
+      bench) step bench "${BENCH_LIMIT:-240}" python3 -m bem.kernels.bench --fftconv --json "$OUT/bench.json" ;;
+      quick-bench) step bench "${BENCH_LIMIT:-240}" python3 -m bem.kernels.bench --fftconv --quick \
+          --json "$OUT/bench.json" ;;
+      *) echo "unknown step $one" >&2; exit 2 ;;
+    esac
+  done
+done
+printf '%s\n' "${SUMMARY[@]}"
