@@ -38,8 +38,14 @@ nvcc --version | tail -1
 python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
 
 start=$(date +%s)
-python3 -c "from bem.kernels.fftconv import custom_ops; assert custom_ops.extension() is not None" \
-  >"$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
+build() { python3 -c "from bem.kernels.fftconv import custom_ops; assert custom_ops.extension() is not None"; }
+if ! build >"$OUT/build.log" 2>&1; then
+  tail -30 "$OUT/build.log"
+  [ -z "$BEM_FFTCONV_DEV_OBJECTS" ] && exit 1
+  echo "linking the prebuilt objects failed: compiling the CUDA sources instead"
+  unset BEM_FFTCONV_DEV_OBJECTS
+  build >"$OUT/build_sources.log" 2>&1 || { tail -60 "$OUT/build_sources.log"; exit 1; }
+fi
 SUMMARY+=("build: $(( $(date +%s) - start )) s${BEM_FFTCONV_DEV_OBJECTS:+ (prebuilt objects)}")
 
 step() {  # step NAME SECONDS COMMAND...
