@@ -67,6 +67,9 @@ struct BackwardArgs {
   bool need_c;  // the recomputed pre-activation is needed: GELU on, or dpostgate wanted
 };
 
+// Shared memory one block of the spectrum length M takes (195 KB at M = 16384: more than an sm_80 GPU gives
+// one block, where those lengths take the cuFFT path).
+int block_smem_bytes(int M);
 int backward_blocks(Dtype dtype, int M, int64_t items, int num_sms);
 int64_t backward_scratch_per_block(int M);
 cudaError_t launch_spectrum(int M, const SpectrumArgs& args, int num_sms, cudaStream_t stream);

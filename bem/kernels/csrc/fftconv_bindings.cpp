@@ -42,14 +42,26 @@ void check_on(const Tensor& t, const char* name, const Tensor& u) {
   FFTCONV_CHECK(t.is_contiguous(), name, " must be contiguous; got sizes ", t.sizes(), " strides ", t.strides());
 }
 
-int num_sms(int device) {
+// A device attribute, read once per device (the step is called per token: no driver query per call).
+int device_attribute(cudaDeviceAttr attribute, int device) {
   static std::mutex lock;
-  static std::vector<int> cache;
+  static std::vector<std::pair<int, int>> cache;  // (multiprocessors, shared memory a block may opt in to)
   std::lock_guard<std::mutex> guard(lock);
-  if (device >= (int)cache.size()) cache.resize(device + 1, 0);
-  if (cache[device] == 0)
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&cache[device], cudaDevAttrMultiProcessorCount, device));
-  return cache[device];
+  if (device >= (int)cache.size()) cache.resize(device + 1, {0, 0});
+  if (cache[device].first == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&cache[device].first, cudaDevAttrMultiProcessorCount, device));
+    C10_CUDA_CHECK(
+        cudaDeviceGetAttribute(&cache[device].second, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  }
+  return attribute == cudaDevAttrMultiProcessorCount ? cache[device].first : cache[device].second;
+}
+
+int num_sms(int device) { return device_attribute(cudaDevAttrMultiProcessorCount, device); }
+
+// The block kernels take spectrum lengths up to 16384 where a block's shared memory fits the device.
+bool block_path(int64_t M, int device) {
+  return M <= fc::kMaxBlockSpectrum &&
+         fc::block_smem_bytes((int)M) <= device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
 }
 
 cudaStream_t stream_now() { return c10::cuda::getCurrentCUDAStream().stream(); }
@@ -101,7 +113,7 @@ OptTensor float32(const OptTensor& t) {
 // S = rfft(k[:, :taps], n = 2M): complex64 (H, M + 1)
 Tensor compute_spectrum(const Tensor& k, int64_t taps, int64_t M) {
   const int64_t H = k.size(0);
-  if (M <= fc::kMaxBlockSpectrum) {
+  if (block_path(M, k.get_device())) {
     const Tensor k32 = k.scalar_type() == at::kFloat ? k : k.to(at::kFloat);
     Tensor S = at::empty({H, M + 1}, k.options().dtype(at::kComplexFloat));
     if (H == 0) return S;
@@ -172,7 +184,7 @@ Tensor fftconv_forward(const Tensor& u, const Tensor& k, const OptTensor& D, con
   if (u.numel() == 0) return y;
   const Tensor S = spectrum_for(k, s, spectrum);
   const OptTensor D32 = float32(D);
-  if (s.M <= fc::kMaxBlockSpectrum) {
+  if (block_path(s.M, u.get_device())) {
     const fc::ForwardArgs args{u.data_ptr(), ptr(pregate), ptr(postgate),
                                reinterpret_cast<const float2*>(S.data_ptr()),
                                D32.has_value() ? D32->data_ptr<float>() : nullptr,
@@ -223,7 +235,7 @@ std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, cons
   const OptTensor D32 = float32(D);
   const int sms = num_sms(u.get_device());
   auto f32 = [](Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
-  if (s.M <= fc::kMaxBlockSpectrum) {
+  if (block_path(s.M, u.get_device())) {
     // one block per (h, group of batch rows): as many groups as fill the GPU once, dk and dD summed after
     const int full = fc::backward_blocks(s.dtype, (int)s.M, INT_MAX, sms);
     FFTCONV_CHECK(full > 0, "the backward kernel does not fit this GPU");

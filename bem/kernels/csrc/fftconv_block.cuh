@@ -2,8 +2,9 @@
 // 16384) in shared memory, as a complex FFT of size M of z[n] = x[2n] + i x[2n+1] followed by the usual
 // split into the real signal's bins. The convolution of a row is
 //
-//   load + first pass | radix-16 passes | last pass + bin pairing + the bin-wise op (in registers)
-//   | inverse: first pass | radix-16 passes | last pass + epilogue (to global or shared memory)
+//   load + first pass | radix-16 passes | last pass + bin pairing + the bin-wise op (in registers, the
+//   filter's spectrum staged into shared memory meanwhile) | inverse: first pass | radix-16 passes
+//   | last pass + epilogue (to global or shared memory)
 //
 // Passes are Stockham radix-R (natural order in, natural order out, no bit reversal): pass p with current
 // sub-transform size Ns reads x[j + r M/R], multiplies by exp(-2 pi i r k / (Ns R)) (k = j mod Ns), does a
@@ -14,7 +15,8 @@
 //   the butterflies their arithmetic; the inverse's outputs past n = M/2 are never used and not computed.
 // - Bin pairing: X[k] and X[M-k] need Z[k] and Z[M-k]; in the last forward pass thread t holds the
 //   butterflies t and Ns - t (thread 0: 0 and Ns/2), so each thread holds both bins of every pair and
-//   untangles, applies the op and re-tangles for the inverse without another pass through shared memory.
+//   untangles, applies the op and re-tangles for the inverse without another pass through shared memory
+//   (each pair's result written back at once to the slots only this thread uses).
 // - The inverse is the forward transform of the conjugate; the spectrum is left unscaled (S = rfft(k)),
 //   the epilogues apply 1/(4M) (a power of two: exact). D ⊙ v is added in the epilogues, exactly: folded
 //   into the spectrum it took the FFT's rounding and doubled the float32 error against PyTorch's.

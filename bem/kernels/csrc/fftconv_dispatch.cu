@@ -24,6 +24,15 @@ cudaError_t launch_forward(Dtype dtype, int M, const ForwardArgs& args, int num_
   return with_dtype(dtype, [&](auto zero) { return launch_forward_typed<decltype(zero)>(M, args, num_sms, stream); });
 }
 
+int block_smem_bytes(int M) {
+  int bytes = 0;
+  with_spectrum_length(M, [&](auto m) {
+    bytes = Plan<decltype(m)::value>::kSmemBytes;
+    return cudaSuccess;
+  });
+  return bytes;
+}
+
 int backward_blocks(Dtype dtype, int M, int64_t items, int num_sms) {
   int blocks = 0;
   with_dtype(dtype, [&](auto zero) {

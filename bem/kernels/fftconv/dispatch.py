@@ -36,6 +36,11 @@ def fftconv_unavailable_reason(u: torch.Tensor, k: Optional[torch.Tensor] = None
     return None
 
 
+def _kernel_d(D: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """D in a dtype the kernels read (a float64 D, H values, is cast; autograd casts its gradient back)."""
+    return D.float() if D is not None and D.dtype == torch.float64 else D
+
+
 class SpectrumCache:
     """The filter's spectrum kept per k tensor at inference: reused while the same k object, unchanged (its
     version counter) and alive, is convolved over sequences of the same spectrum length. Entries die with
@@ -94,7 +99,7 @@ def fftconv(
     reference.check_operands(u, k, D, pregate, postgate)
     if fftconv_unavailable_reason(u, k, use_fused) is not None:
         return reference.fftconv_fft(u, k, D, pregate, postgate, gelu)
-    contiguous = [None if t is None else t.contiguous() for t in (u, k, D, pregate, postgate)]
+    contiguous = [None if t is None else t.contiguous() for t in (u, k, _kernel_d(D), pregate, postgate)]
     u, k, D, pregate, postgate = contiguous
     spectrum = SPECTRA.get(k, u.shape[-1]) if SpectrumCache.applies(u, k) else None
     return custom_ops.fftconv(u, k, D, pregate, postgate, bool(gelu), spectrum)
@@ -130,7 +135,8 @@ def fftconv_step(
     reference.check_step_operands(history, u_t, k, position, D, pregate, postgate)
     if step_unavailable_reason(history, u_t, k, use_fused) is not None:
         return reference.fftconv_step(history, u_t, k, position, D, pregate, postgate, gelu)
-    u_t, k, D, pregate, postgate = (None if t is None else t.contiguous() for t in (u_t, k, D, pregate, postgate))
+    u_t, k, D, pregate, postgate = (None if t is None else t.contiguous()
+                                    for t in (u_t, k, _kernel_d(D), pregate, postgate))
     if isinstance(position, torch.Tensor):
         return custom_ops.fftconv_step(history, u_t, k, position, 0, D, pregate, postgate, bool(gelu))
     return custom_ops.fftconv_step(history, u_t, k, None, int(position), D, pregate, postgate, bool(gelu))
