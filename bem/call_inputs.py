@@ -153,8 +153,9 @@ def capture_generate_masks(model: nn.Module, keep: "MaskSlot") -> Iterator[None]
         tokens = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs.get("inputs_embeds")
         converted = not (isinstance(passed, torch.Tensor) and passed.dim() == 2)
         if converted and isinstance(mask, torch.Tensor) and mask.dim() == 2 and tokens is not None:
-            # contiguous: a compiled decoding step guards on its inputs' strides, and this view's grow each step
-            keep.mask = mask[:, -tokens.shape[1]:].contiguous()
+            # standard strides (a one-row view counts as contiguous, but keeps its growing row stride): a
+            # compiled decoding step guards on its inputs' strides, and a new stride each step re-records graphs
+            keep.mask = mask[:, -tokens.shape[1]:].clone(memory_format=torch.contiguous_format)
         else:
             keep.mask = None
         return inputs

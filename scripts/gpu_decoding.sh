@@ -27,7 +27,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     echo "gpu tests: exit $?"; tail -15 "$OUT/gpu_tests.log"
 fi
 for config in ${PROFILE_CONFIGS:-profile_gpt2 profile_llama_1b}; do
-    python3 - "$config" "$OUT" <<'PY'
+    python3 - "$config" "$OUT" ${COMPILED_ONLY:+--compiled-only} <<'PY'
 import sys, yaml
 name, out = sys.argv[1], sys.argv[2]
 config = yaml.safe_load(open(f"configs/{name}.yaml"))
@@ -35,6 +35,8 @@ config["prefill"]["shapes"] = []          # decoding only: eager and compiled
 config["train"]["enabled"] = False
 config["kernels"]["run_with_profile"] = False
 config["output_dir"] = out
+config["decode"]["eager"] = "--compiled-only" not in sys.argv
+config["timing"]["repeats"] = int(__import__("os").environ.get("REPEATS", config["timing"]["repeats"]))
 yaml.safe_dump(config, open(f"{out}/{name}_decode.yaml", "w"))
 PY
     timeout 420 python3 profile.py --config "$OUT/${config}_decode.yaml" --output-dir "$OUT" >"$OUT/$config.log" 2>&1

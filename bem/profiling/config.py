@@ -60,6 +60,7 @@ class DecodeSpec:
     # compiles (mode reduce-overhead: CUDA graphs on a GPU)
     compiled: bool = False
     compile_backend: str = "inductor"
+    eager: bool = True  # false: only the compiled setting
 
 
 @dataclass
@@ -210,6 +211,8 @@ def validate(config: ProfileConfig) -> None:
     if not isinstance(config.decode.compiled, bool):
         raise ProfileConfigError(f"decode.compiled must be true or false, got {config.decode.compiled!r}")
     _choice("decode.compile_backend", config.decode.compile_backend, COMPILE_BACKENDS)
+    if not isinstance(config.decode.eager, bool):
+        raise ProfileConfigError(f"decode.eager must be true or false, got {config.decode.eager!r}")
     if not isinstance(config.train.enabled, bool):
         raise ProfileConfigError(f"train.enabled must be true or false, got {config.train.enabled!r}")
     _positive_int("train.batch_size", config.train.batch_size)

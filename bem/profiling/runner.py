@@ -136,7 +136,7 @@ def run_profile(config: ProfileConfig, log: Log = print) -> dict[str, Any]:
     log("measuring (medians; base, BEM and LoRA interleaved):")
     for batch, length in config.prefill.shapes:
         profiler.prefill(batch, length)
-    for batch in config.decode.batch_sizes:
+    for batch in config.decode.batch_sizes if config.decode.eager else []:
         profiler.decode(batch)
     if config.decode.compiled:
         for batch in config.decode.batch_sizes:
