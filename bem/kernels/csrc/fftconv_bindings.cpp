@@ -296,7 +296,7 @@ std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, cons
                                        stream_now()));
   }
   if (need_D) {
-    dD = (g.narrow(1, 0, s.L) * v.narrow(1, 0, s.L)).view({s.B, s.H, s.L}).sum({0, 2}).to(D->scalar_type());
+    dD = (g.narrow(1, 0, s.L) * v.narrow(1, 0, s.L)).view({s.B, s.H, s.L}).sum(at::IntArrayRef{0, 2}).to(D->scalar_type());
   }
   v.reset();
   Tensor G = at::fft_rfft(g, N, -1);
