@@ -42,6 +42,7 @@ class CallState:
     want_state: bool  # the call returns a cache: leave the advanced state on it
     side_signals: Optional[torch.Tensor]
     new_tokens: int
+    cache_capacity: Optional[int] = None  # positions a static cache holds; None for a growing cache
     codes_ready: bool = False
     new_parts: dict[str, CarriedState] = field(default_factory=dict)
 
@@ -126,7 +127,9 @@ class CallHooks:
         use_cache = arguments.get("use_cache")
         config_use_cache = getattr(getattr(module, "config", None), "use_cache", False)
         want_state = bool(use_cache if use_cache is not None else config_use_cache)
-        self.call = CallState(mask, state, want_state, self.pending_side_signals, new_tokens)
+        capacity = cache.get_max_length() if getattr(cache, "is_compileable", False) else None
+        self.call = CallState(mask, state, want_state, self.pending_side_signals, new_tokens,
+                              capacity if isinstance(capacity, int) and capacity > 0 else None)
         return None
 
     def _before_first_block(self, module: nn.Module, args: tuple, kwargs: dict):

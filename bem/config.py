@@ -14,6 +14,9 @@ from typing import Any, Optional, Union
 import yaml
 
 
+MIXERS = ("hyena", "mlstm")
+
+
 def closest_name(name: str, candidates) -> str:
     """' (did you mean 'x'?)' for a likely typo, else ''."""
     match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
@@ -50,6 +53,15 @@ class HierarchicalBEMConfig:
     token_routing_modules: Optional[Union[list[str], str]] = None
     # other modules trained (as a copy) and saved with the adapter, as PEFT's: a classification head
     modules_to_save: Optional[list[str]] = None
+    # sequence mixers bolted on after decoder blocks (DESIGN §7): null, "hyena" or "mlstm"
+    mixer: Optional[str] = None
+    mixer_layers: Union[str, list[int]] = "all"  # block indices (negative from the end) or "all"
+    mixer_dim: int = 128  # the mixer's inner width
+    mixer_heads: int = 4  # mLSTM heads (mixer_dim / mixer_heads channels each)
+    mixer_max_length: int = 2048  # Hyena: the filter's length, the longest sequence it takes
+    mixer_conv_size: int = 3  # the causal short convolution in front of both mixers
+    mixer_forget_bias: float = 3.0  # mLSTM forget gates' bias at init (one per head, from this to +3)
+    mixer_input_bias: float = 0.0  # mLSTM input gates' bias at init
     # execution
     use_fused_kernels: bool = True
     # provenance, filled in when saving
@@ -100,8 +112,33 @@ class HierarchicalBEMConfig:
                 "attach_mlp, attach_attention and attach_qkv are all false and target_modules is empty: "
                 "nothing would be wrapped"
             )
+        self._validate_mixer()
         if self.base_model_name_or_path is not None and not isinstance(self.base_model_name_or_path, str):
             raise ValueError(f"base_model_name_or_path must be a string, got {self.base_model_name_or_path!r}")
+
+    def _validate_mixer(self) -> None:
+        if self.mixer is not None and self.mixer not in MIXERS:
+            raise ValueError(f"mixer must be null, 'hyena' or 'mlstm', got {self.mixer!r}"
+                             f"{closest_name(str(self.mixer), MIXERS)}")
+        layers = self.mixer_layers
+        if layers != "all" and not (
+            isinstance(layers, (list, tuple)) and layers
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in layers)
+        ):
+            raise ValueError(f"mixer_layers must be 'all' or a non-empty list of block indices, got {layers!r}")
+        if isinstance(layers, (list, tuple)) and len(set(layers)) != len(layers):
+            raise ValueError(f"mixer_layers names a block twice: {list(layers)!r}")
+        for name, low, high in (("mixer_dim", 1, 65536), ("mixer_heads", 1, 4096), ("mixer_max_length", 1, 1 << 20),
+                                ("mixer_conv_size", 1, 64)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+        if self.mixer_dim % self.mixer_heads:
+            raise ValueError(f"mixer_dim ({self.mixer_dim}) must be a multiple of mixer_heads ({self.mixer_heads})")
+        for name in ("mixer_forget_bias", "mixer_input_bias"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
 
     @staticmethod
     def _validate_module_selector(name: str, value: Any) -> None:
@@ -126,7 +163,7 @@ class HierarchicalBEMConfig:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        for name in ("target_modules", "token_routing_modules", "modules_to_save"):
+        for name in ("target_modules", "token_routing_modules", "modules_to_save", "mixer_layers"):
             if isinstance(data[name], tuple):
                 data[name] = list(data[name])
         return data

@@ -120,6 +120,11 @@ def _load_saved_modules(model: "BEMModel", tensors: dict[str, torch.Tensor], wei
 
 
 def save_as_peft_lora(model: "BEMModel", directory: Path) -> None:
+    if len(model.mixers):
+        raise ValueError(
+            f"this BEM has {model.bem_config.mixer} mixer blocks, which a LoRA adapter cannot express; only a BEM "
+            f"without mixers (mixer: null) and with enable_routing=False can be exported as PEFT LoRA"
+        )
     if model.controller is not None:
         raise ValueError(
             "this BEM routes its codes per token, which a LoRA adapter cannot express; only a BEM with "

@@ -16,6 +16,7 @@ import torch.nn as nn
 from .config import HierarchicalBEMConfig
 from .modules.bem_linear import BEMLinear, RoutingContext
 from .modules.controller import HierarchicalController
+from .modules.mixers import MixerBlock, attach as attach_mixers, resolve_layers
 from .modules.trainable_copy import TrainableCopy
 from .call_hooks import CallHooks
 from .call_inputs import capture_generate_masks
@@ -34,8 +35,8 @@ def _hidden_size(model: nn.Module) -> int:
     raise ValueError("could not tell the model's hidden size (no config.hidden_size and no input embeddings)")
 
 
-def _first_block(model: nn.Module, target_names: list[str]) -> nn.Module:
-    """The block the embeddings enter: index 0 of the ModuleList that holds the first wrapped layer."""
+def _decoder_blocks(model: nn.Module, target_names: list[str]) -> nn.ModuleList:
+    """The list of blocks the embeddings pass through: the ModuleList that holds the first wrapped layer."""
     first = target_names[0]
     match = re.match(r"^(.*?)\.(\d+)\.", first + ".")
     if match is None:
@@ -46,7 +47,7 @@ def _first_block(model: nn.Module, target_names: list[str]) -> nn.Module:
     blocks = model.get_submodule(match.group(1))
     if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
         raise ValueError(f"'{match.group(1)}' is not a list of blocks; cannot find where routing reads from")
-    return blocks[0]
+    return blocks
 
 
 def _routed_model(model: nn.Module, first_block: nn.Module) -> nn.Module:
@@ -146,12 +147,28 @@ class BEMModel(nn.Module):
         else:
             self.controller = None
         self.token_routed_names: list[str] = plan.token_routed
-        first_block = _first_block(base_model, plan.names)
-        self._hooks = CallHooks(_routed_model(base_model, first_block), first_block, self.controller, self.context)
+        blocks = _decoder_blocks(base_model, plan.names)
+        self.mixers = self._make_mixers(base_model, blocks, config)
+        self._hooks = CallHooks(_routed_model(base_model, blocks[0]), blocks[0], self.controller, self.context,
+                                stateful_blocks=len(self.mixers))
+        self._mixer_handles = attach_mixers(blocks, {int(i): block for i, block in self.mixers.items()},
+                                            lambda: self._hooks.call, lambda: self.context.enabled)
         signed = _signed_forward(self)
         if signed is not None:
             self.forward = signed
         self._look_up_kernels()
+
+    @staticmethod
+    def _make_mixers(base_model: nn.Module, blocks: nn.ModuleList, config: HierarchicalBEMConfig) -> nn.ModuleDict:
+        """One mixer block after each chosen decoder block (none without `config.mixer`), in the base's dtype."""
+        if config.mixer is None:
+            return nn.ModuleDict()
+        reference = next(p for p in base_model.parameters() if p.is_floating_point())
+        hidden = _hidden_size(base_model)
+        return nn.ModuleDict({
+            str(index): MixerBlock(hidden, config, index).to(device=reference.device, dtype=reference.dtype)
+            for index in resolve_layers(config.mixer_layers, len(blocks))
+        }).train(base_model.training)
 
     def _look_up_kernels(self) -> None:
         """On a CUDA model, look up (maybe build) the kernels now: done inside a first call that torch.compile
@@ -248,13 +265,16 @@ class BEMModel(nn.Module):
         return [(name, self.base_model.get_submodule(name)) for name in self.saved_module_names]
 
     def adapter_parameters(self) -> list[nn.Parameter]:
-        """What trains: every module's V and U, the controller's and the saved modules' copies' parameters."""
+        """What trains: every module's V and U, the controller's, the mixers' and the saved modules' copies'
+        parameters."""
         params = [p for _, m in self.bem_modules() for p in (m.bem_V, m.bem_U)]
         params += [] if self.controller is None else list(self.controller.parameters())
+        params += list(self.mixers.parameters())
         return params + [p for _, m in self.saved_modules() for p in m.trained.parameters()]
 
     def bem_state_dict(self) -> dict[str, torch.Tensor]:
-        """Adapter weights only: `modules.<name>.V|U`, `controller.<param>` and `saved.<name>.<param>`."""
+        """Adapter weights only: `modules.<name>.V|U`, `controller.<param>`, `mixers.<block>.<param>` and
+        `saved.<name>.<param>`."""
         state: dict[str, torch.Tensor] = {}
         for name, module in self.bem_modules():
             state[f"modules.{name}.V"] = module.bem_V.detach()
@@ -262,6 +282,8 @@ class BEMModel(nn.Module):
         if self.controller is not None:
             for key, value in self.controller.state_dict().items():
                 state[f"controller.{key}"] = value.detach()
+        for key, value in self.mixers.state_dict().items():
+            state[f"mixers.{key}"] = value.detach()
         for name, module in self.saved_modules():
             for key, value in module.trained.state_dict().items():
                 state[f"saved.{name}.{key}"] = value.detach()
@@ -292,6 +314,8 @@ class BEMModel(nn.Module):
                 self.controller.load_state_dict(
                     {k[len("controller."):]: v for k, v in state.items() if k.startswith("controller.")}
                 )
+            if len(self.mixers):
+                self.mixers.load_state_dict({k[len("mixers."):]: v for k, v in state.items() if k.startswith("mixers.")})
             for name, module in self.saved_modules():
                 prefix = f"saved.{name}."
                 module.trained.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
@@ -303,7 +327,9 @@ class BEMModel(nn.Module):
 
     def print_trainable_parameters(self) -> None:
         trainable, total = self.get_nb_trainable_parameters()
-        print(f"trainable params: {trainable:,d} || all params: {total:,d} || "
+        mixers = sum(p.numel() for p in self.mixers.parameters() if p.requires_grad)
+        split = f" (of which mixers: {mixers:,d})" if len(self.mixers) else ""
+        print(f"trainable params: {trainable:,d}{split} || all params: {total:,d} || "
               f"trainable%: {100 * trainable / max(total, 1):.4f}")
 
     # ------------------------------------------------------------------ diagnostics
@@ -344,6 +370,11 @@ class BEMModel(nn.Module):
         """Fold each module's update into its frozen weight (W += s U V^T), put the saved modules' trained
         copies in place of their originals, and give back the bare base model, as PEFT's
         `merge_and_unload`. Only a BEM with routing off has an update that does not depend on the context."""
+        if len(self.mixers):
+            raise ValueError(
+                f"this BEM has {self.bem_config.mixer} mixer blocks, which are layers of their own, not updates of "
+                f"a weight: they cannot be merged (unload() removes BEM, mixers included, without merging)"
+            )
         if self.controller is not None:
             raise ValueError(
                 "this BEM routes its codes per token, so its update depends on the context and cannot be folded "
@@ -358,11 +389,14 @@ class BEMModel(nn.Module):
         return self._remove_bem(keep_trained_copies=True)
 
     def unload(self) -> nn.Module:
-        """Remove every BEM module and hook and give back the bare base model (saved modules' originals)."""
+        """Remove every BEM module, mixer and hook and give back the bare base model (saved modules' originals)."""
         return self._remove_bem(keep_trained_copies=False)
 
     def _remove_bem(self, keep_trained_copies: bool) -> nn.Module:
         self._hooks.remove()
+        for handle in self._mixer_handles:
+            handle.remove()
+        self._mixer_handles = []
         for name, module in self.bem_modules():
             _replace(self.base_model, name, module.base_layer)
         for name, saved in self.saved_modules():
