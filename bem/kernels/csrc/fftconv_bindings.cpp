@@ -220,12 +220,12 @@ std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, cons
   const bool need_pre = needs[3] && pregate.has_value(), need_post = needs[4] && postgate.has_value();
   const bool need_c = gelu || need_post;
   const c10::cuda::CUDAGuard guard(u.device());
-  const Tensor none = at::empty({0}, u.options());
   Tensor du = need_u ? at::empty_like(u) : Tensor();
   Tensor dpre = need_pre ? at::empty_like(u) : Tensor();
   Tensor dpost = need_post ? at::empty_like(u) : Tensor();
   Tensor dk, dD;
-  auto out = [&](const Tensor& t) { return t.defined() ? t : none; };
+  // a gradient not asked for comes back empty; a fresh one each, since a custom op's outputs may not alias
+  auto out = [&](const Tensor& t) { return t.defined() ? t : at::empty({0}, u.options()); };
   if (u.numel() == 0) {
     if (need_k) dk = at::zeros_like(k);
     if (need_D) dD = at::zeros_like(*D);
