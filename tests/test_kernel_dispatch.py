@@ -199,6 +199,8 @@ def test_fake_implementations_give_shapes_and_dtypes():
     assert y.shape == (6, 8) and y.dtype == torch.bfloat16 and p.shape == (6, 4) and p.dtype == torch.float32
     y, p = torch.ops.bem.fused_generated_update(x, V, None, U, 1.0)
     assert y.shape == (6, 8) and p.dtype == torch.float32
+    y = torch.ops.bem.bem_linear_inference(x, W, None, V, None, U, 1.0)
+    assert y.shape == (6, 8) and y.dtype == torch.bfloat16
     p = torch.ops.bem.lowrank_project(x.double(), V.double())
     assert p.shape == (6, 4) and p.dtype == torch.float64
 

@@ -3,6 +3,7 @@ autograd formulas. Ops are registered whether or not the extension loaded; only 
 
     bem::fused_generated_update(x, V, codes, U, s) -> (s ((x V) ⊙ codes) U^T, x V)
     bem::fused_bem_linear(x, W, b, V, codes, U, s) -> (x W^T + b + s ((x V) ⊙ codes) U^T, x V)
+    bem::bem_linear_inference(x, W, b, V, codes, U, s) -> x W^T + b + s ((x V) ⊙ codes) U^T   (no autograd)
     bem::lowrank_project(a, b)                     -> a b            (the backward's dY U)
     bem::decode_backward(x, dY, W, V, U, P, codes, s) -> (dX, dV, dcodes, dU) for 1..64 rows
     bem::prefill_backward(x, dY, W, V, U, P, codes, s) -> (dX, dV, dcodes, dU) above that
@@ -77,6 +78,15 @@ def fused_bem_linear(
     return tuple(_extension().linear_forward(x, weight, bias, V, codes, U, scaling))
 
 
+@torch.library.custom_op("bem::bem_linear_inference", mutates_args=())
+def bem_linear_inference(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], V: Tensor, codes: Optional[Tensor], U: Tensor, scaling: float
+) -> Tensor:
+    """The fused linear without x V as a second output (what the backward would reuse): the kernel the eager
+    inference path calls, for compiled inference (a decoding step that generate compiles, say)."""
+    return _extension().linear_forward(x, weight, bias, V, codes, U, scaling, 0, 0, False)[0]
+
+
 @torch.library.custom_op("bem::lowrank_project", mutates_args=())
 def lowrank_project(a: Tensor, b: Tensor) -> Tensor:
     return _extension().project(a, b)
@@ -108,6 +118,11 @@ def _(x, V, codes, U, scaling):
 @fused_bem_linear.register_fake
 def _(x, weight, bias, V, codes, U, scaling):
     return x.new_empty(x.shape[0], U.shape[0]), x.new_empty(x.shape[0], V.shape[1], dtype=_p_dtype(x))
+
+
+@bem_linear_inference.register_fake
+def _(x, weight, bias, V, codes, U, scaling):
+    return x.new_empty(x.shape[0], U.shape[0])
 
 
 @lowrank_project.register_fake

@@ -217,5 +217,9 @@ def bem_linear(
         weight = weight.contiguous()  # neither row-major nor a transposed row-major buffer: one copy
     x2, codes2 = _flatten(x, codes, V.shape[1])
     bias = None if bias is None else bias.contiguous()
-    y, _ = custom_ops.fused_bem_linear(x2, weight, bias, V.contiguous(), codes2, U.contiguous(), float(scaling))
+    operands = (x2, weight, bias, V.contiguous(), codes2, U.contiguous(), float(scaling))
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in operands[:6]):
+        y = custom_ops.bem_linear_inference(*operands)  # no x V kept for a backward that will not come
+    else:
+        y, _ = custom_ops.fused_bem_linear(*operands)
     return y.reshape(*x.shape[:-1], U.shape[0])
