@@ -1,12 +1,16 @@
-"""Training throughput: BEM (reference path and fused kernels) against PEFT LoRA, in one process.
+"""Training throughput and memory: BEM against PEFT LoRA at each profile config's shapes, in two precisions.
 
-    python benchmarks/train_throughput.py --config configs/train_llama_1b.yaml
-    python benchmarks/train_throughput.py --config configs/train_llama_1b.yaml --tiny   # CPU smoke run
+    python benchmarks/train_throughput.py --config configs/profile_qwen2_1.5b.yaml
+    python benchmarks/train_throughput.py --sweep                     # the configs of `profile.py --sweep`
+    python benchmarks/train_throughput.py --sweep smollm_135m,gpt2
+    python benchmarks/train_throughput.py                             # the tiny CPU profile: a smoke run
 
-One randomly initialised base model from the config's `model` section is wrapped in turn by each
-variant (same rank, alpha and target modules), trained for a few warm-up and timed steps on random
-tokens, and unwrapped again. Variants are interleaved over `--rounds` rounds; the table shows the
-median step's tokens/s and the peak memory of each, with ratios to PEFT LoRA.
+Per config, the base model of its `model` section is built once in bf16 (random weights), and per setup
+(`train_setups.SETUPS`: bf16 parameters without autocast; fp32 adapters under bf16 autocast) it is
+copied and wrapped by BEM and by PEFT LoRA with the same rank, alpha and modules (as `profile.py` pairs
+them). Both train on the config's `train` batch; their steps are timed interleaved, repeat after
+repeat, until the interval of BEM's speed over LoRA's is within the config's `timing.target_spread`
+(or its repeat or time budget is spent). Then one step each, alone, for memory. One table for all.
 """
 
 from __future__ import annotations
@@ -14,12 +18,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+import warnings
+from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -28,205 +32,190 @@ for folder in (HERE.parent, HERE):  # the bem package and the sibling helper, wh
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
-from train_common import TARGETS, lora_config, variant_rows  # noqa: E402  (benchmarks/train_common.py)
+from train_setups import SETUPS, Setup, kernel_note, set_trainable_dtype, step_memory, training_step  # noqa: E402
 
-from bem import HierarchicalBEMConfig, create_hierarchical_bem  # noqa: E402
-from bem.training import load_train_config  # noqa: E402
-from bem.training.model_factory import build_base_model, enable_gradient_checkpointing  # noqa: E402
+from bem.profiling.config import ProfileConfig, ProfileConfigError, load_profile_config  # noqa: E402
+from bem.profiling.models import build_variants, load_base_model, resolve_device, vocab_size  # noqa: E402
+from bem.profiling.statistics import median_interval, median_of_defined, per_repeat_ratios  # noqa: E402
+from bem.profiling.stopping import StopRule  # noqa: E402
+from bem.profiling.sweep import config_path, free_device_memory, sweep_names  # noqa: E402
+from bem.profiling.table import columns  # noqa: E402
+from bem.profiling.timing import Clock, interleaved_until, median, warm_up_gpu  # noqa: E402
 
-
-@dataclass
-class Measurement:
-    name: str
-    step_seconds: list[float] = field(default_factory=list)
-    peak_bytes: int = 0
-    trainable: int = 0
-    note: str = ""
+KIND = "bem-train-throughput"
+VARIANTS = ("bem", "lora")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="training config (model, bem, data.max_length, training)")
-    parser.add_argument("--tiny", action="store_true", help="a tiny model, short sequences, float32: a CPU smoke run")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant and round (default 10)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant and round (default 3)")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the variants (default 2)")
-    parser.add_argument("--batch-size", type=int, default=None, help="default: training.batch_size")
-    parser.add_argument("--seq-len", type=int, default=None, help="default: data.max_length")
-    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--config", type=Path, help="a profile config (default: the built-in tiny CPU profile)")
+    source.add_argument("--sweep", nargs="?", const="all", metavar="NAMES",
+                        help="several profile configs: all of profile.py's sweep, or comma-separated names / paths")
+    parser.add_argument("--setups", default="bf16,autocast", help=f"comma-separated, of {', '.join(SETUPS)}")
+    parser.add_argument("--batch-size", type=int, help="default: the config's train.batch_size")
+    parser.add_argument("--seq-len", type=int, help="default: the config's train.sequence_length")
+    parser.add_argument("--repeats", type=int, help="a fixed number of timed repeats (default: the config's timing)")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute the frozen base in backward")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), help="default: the config's device")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
     return parser.parse_args(argv)
 
 
-def setup(args: argparse.Namespace):
-    overrides = ["model.size=tiny", "model.dtype=float32", "training.mixed_precision=no"] if args.tiny else []
-    config = load_train_config(args.config, overrides, check_paths=False)
-    if config.model.path is None and config.model.architecture != "llama":
-        raise SystemExit("this benchmark targets Llama-style models (its 7 projections); set model.architecture: llama")
-    batch = args.batch_size or (2 if args.tiny else config.training.batch_size)
-    seq = args.seq_len or (64 if args.tiny else config.data.max_length)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    return config, batch, seq, device
+def load_configs(args: argparse.Namespace) -> list[tuple[str, ProfileConfig]]:
+    if args.sweep is not None:
+        return [(name, load_profile_config(config_path(name))) for name in sweep_names(args.sweep)]
+    if args.config is not None:
+        return [(str(args.config), load_profile_config(args.config))]
+    return [("tiny", ProfileConfig())]
 
 
-def warm_up_device(device: torch.device) -> float:
-    """A second of bf16 matmuls (clocks up), returning the achieved TFLOP/s as a ceiling to quote."""
-    if device.type != "cuda":
-        return float("nan")
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    start, count = time.perf_counter(), 0
-    while time.perf_counter() - start < 1.0:
-        a @ b
-        count += 1
-        torch.cuda.synchronize(device)
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(10):
-        a @ b
-    end.record()
-    torch.cuda.synchronize(device)
-    return 10 * 2 * 8192 ** 3 / (begin.elapsed_time(end) / 1e3) / 1e12
+def chosen_setups(spec: str) -> list[Setup]:
+    names = [name.strip() for name in spec.split(",")]
+    unknown = [name for name in names if name not in SETUPS]
+    if unknown or not names:
+        raise ProfileConfigError(f"--setups takes names of {', '.join(SETUPS)}, got {spec!r}")
+    return [SETUPS[name] for name in names]
 
 
-class StepTimer:
-    """Per-step wall time: CUDA events on a GPU, perf_counter elsewhere."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def __call__(self, step: Callable[[], None]) -> float:
-        if self.device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            step()
-            end.record()
-            torch.cuda.synchronize(self.device)
-            return begin.elapsed_time(end) / 1e3
-        start = time.perf_counter()
-        step()
-        return time.perf_counter() - start
+def stop_rule(config: ProfileConfig, repeats: Optional[int]) -> StopRule:
+    timing = config.timing
+    if repeats is not None:
+        return StopRule(repeats, repeats, timing.target_spread, timing.max_seconds)
+    return StopRule(timing.min_repeats, timing.max_repeats, timing.target_spread, timing.max_seconds)
 
 
-def wrap(name: str, base: torch.nn.Module, config, bem_kwargs: dict):
-    """(model, unwrap) for one variant; the adapters are fp32 under autocast, as `bem train` keeps them."""
-    if name == "PEFT LoRA":
-        from peft import get_peft_model
-
-        model = get_peft_model(base, lora_config(config.bem))
-        unwrap = model.unload
-    else:
-        bem_config = HierarchicalBEMConfig.from_dict({**config.bem.to_dict(), **bem_kwargs, "target_modules": TARGETS,
-                                                      "base_model_name_or_path": None})
-        model = create_hierarchical_bem(base, bem_config)
-        unwrap = model.unload
-    if config.training.mixed_precision != "no":
-        for param in model.parameters():
-            if param.requires_grad:
-                param.data = param.data.float()
-    return model, unwrap
+def speed_ratios(samples: dict[str, list[float]]) -> list[Optional[float]]:
+    """BEM's tokens/s over LoRA's, minus one, per repeat (LoRA's step time over BEM's)."""
+    return per_repeat_ratios(samples["lora"], samples["bem"])
 
 
-def measure(name: str, base, config, bem_kwargs: dict, batches: list[torch.Tensor], args, device,
-            result: Measurement) -> None:
-    model, unwrap = wrap(name, base, config, bem_kwargs)
-    params = [p for p in model.parameters() if p.requires_grad]
-    result.trainable = sum(p.numel() for p in params)
-    optimizer = torch.optim.AdamW(params, lr=1e-4)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.training.mixed_precision)
-    state = {"index": 0}
+def measure_setup(config: ProfileConfig, base: torch.nn.Module, setup: Setup, batches: list[torch.Tensor],
+                  args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    with warnings.catch_warnings():  # deprecation notices from the libraries' own calls are not ours to show
+        warnings.simplefilter("ignore", FutureWarning)
+        variants = build_variants(base, config.bem_config(), with_lora=True)
+    if variants.lora is None:
+        raise SystemExit(f"the training benchmark compares with PEFT LoRA: {variants.lora_note}")
+    models = {"bem": variants.bem, "lora": variants.lora}
+    steps, optimizers = {}, {}
+    for key, model in models.items():
+        set_trainable_dtype(model, setup.adapter_dtype)
+        model.train()
+        steps[key], optimizers[key] = training_step(model, batches, setup, config.train.learning_rate, device)
+    timing = config.timing
+    started = time.perf_counter()
+    samples, reason = interleaved_until(steps, Clock(device), timing.warmup, stop_rule(config, args.repeats),
+                                        lambda s: median_interval(speed_ratios(s), timing.confidence).half_width)
+    seconds = time.perf_counter() - started
+    memory = {key: step_memory(models[key], optimizers[key], steps[key], device) for key in VARIANTS}
+    tokens = batches[0].numel()
+    ratios = speed_ratios(samples)
+    interval, point = median_interval(ratios, timing.confidence), median_of_defined(ratios)
+    row = {
+        "config": config.name, "setup": setup.name, "setup_description": setup.describe(),
+        "batch": batches[0].shape[0], "sequence": batches[0].shape[1], "tokens_per_step": tokens,
+        "repeats": len(samples["bem"]), "stop_reason": reason, "seconds": seconds, "confidence": timing.confidence,
+        "bem_tokens_per_s": tokens / (median(samples["bem"]) / 1e3),
+        "lora_tokens_per_s": tokens / (median(samples["lora"]) / 1e3),
+        # BEM's tokens/s over LoRA's: the median per-repeat ratio and its interval (null: unbounded)
+        "speed_vs_lora": {"point": None if point is None else 1.0 + point,
+                          "low": None if interval.low is None else 1.0 + interval.low,
+                          "high": None if interval.high is None else 1.0 + interval.high},
+        "memory": memory,
+        "memory_vs_lora": (memory["bem"]["peak_bytes"] / memory["lora"]["peak_bytes"]
+                           if memory["lora"]["peak_bytes"] else None),
+        "trainable_parameters": {key: sum(p.numel() for p in m.parameters() if p.requires_grad)
+                                 for key, m in models.items()},
+        "note": kernel_note(variants.bem, tokens, setup, device),
+        "samples_ms": samples,
+    }
+    del variants, models, steps, optimizers
+    free_device_memory()
+    return row
 
-    def step() -> None:
-        ids = batches[state["index"] % len(batches)]
-        state["index"] += 1
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    timer = StepTimer(device)
-    for _ in range(args.warmup):
-        timer(step)
-    result.step_seconds += [timer(step) for _ in range(args.steps)]
-    if device.type == "cuda":
-        result.peak_bytes = max(result.peak_bytes, torch.cuda.max_memory_allocated(device))
-    if name != "PEFT LoRA" and bem_kwargs.get("use_fused_kernels"):
-        result.note = fused_note(model, batches[0], device, dtype)
-    del optimizer, params
-    unwrap()
-    del model
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+def measure_config(config: ProfileConfig, setups: list[Setup], args: argparse.Namespace) -> list[dict[str, Any]]:
+    device = resolve_device(args.device or config.device)
+    warm_up_gpu(device, config.timing.gpu_warmup_seconds)
+    base = load_base_model(replace(config.model, dtype="bfloat16"), device, config.seed)
+    if args.gradient_checkpointing:
+        from bem.training.model_factory import enable_gradient_checkpointing
+
+        enable_gradient_checkpointing(base)
+    batch = args.batch_size or config.train.batch_size
+    length = args.seq_len or config.train.sequence_length
+    generator = torch.Generator().manual_seed(config.seed)
+    low = 3 if vocab_size(base) > 3 else 0  # away from the usual special ids, as the profiler's prompts
+    batches = [torch.randint(low, vocab_size(base), (batch, length), generator=generator).to(device) for _ in range(3)]
+    rows = [measure_setup(config, base, setup, batches, args, device) for setup in setups]
+    del base
+    free_device_memory()
+    return rows
 
 
-def fused_note(model, ids: torch.Tensor, device: torch.device, dtype) -> str:
-    from bem.kernels import fused_unavailable_reason
+def _ratio(entry: Optional[dict]) -> str:
+    if entry is None or entry["point"] is None:
+        return "-"
+    low = "-inf" if entry["low"] is None else f"{entry['low']:.3f}"
+    high = "+inf" if entry["high"] is None else f"{entry['high']:.3f}"
+    return f"{entry['point']:.3f} [{low}, {high}]"
 
-    layer = model.bem_modules()[0][1]
-    x = torch.zeros(1, layer.in_features, device=device, dtype=dtype or layer.bem_V.dtype)
-    with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-        reason = fused_unavailable_reason(x, layer.bem_V, True, layer.base_layer.weight)
-    return "" if reason is None else f"reference path ran: {reason}"
+
+def _gib(value: Optional[int]) -> str:
+    return "n/a" if value is None else f"{value / 2**30:.2f}"
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    table = [["config", "setup", "batch x seq", "bem tok/s", "lora tok/s", "bem/lora speed [interval]",
+              "bem peak GiB", "lora peak GiB", "bem/lora memory", "n", "note"]]
+    for row in rows:
+        if "error" in row:
+            table.append([row["config"], row["setup"], "-", "-", "-", "-", "-", "-", "-", "-", row["error"]])
+            continue
+        memory = row["memory"]
+        table.append([row["config"], row["setup"], f"{row['batch']} x {row['sequence']}",
+                      f"{row['bem_tokens_per_s']:.0f}", f"{row['lora_tokens_per_s']:.0f}", _ratio(row["speed_vs_lora"]),
+                      _gib(memory["bem"]["peak_bytes"]), _gib(memory["lora"]["peak_bytes"]),
+                      "n/a" if row["memory_vs_lora"] is None else f"{row['memory_vs_lora']:.3f}",
+                      str(row["repeats"]), row["note"]])
+    lines = columns(table)
+    described = {row["setup"]: row.get("setup_description") for row in rows if "error" not in row}
+    lines += [f"{name}: {text}" for name, text in described.items()]
+    confidence = next((row["confidence"] for row in rows if "error" not in row), None)
+    if confidence is not None:
+        lines.append(f"speed: median per-repeat ratio of tokens/s with its {100 * confidence:g}% interval; peak: the "
+                     f"variant's parameters and optimizer state plus its step's peak allocation (GPU only)")
+    return "\n".join(lines)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    config, batch, seq, device = setup(args)
-    torch.manual_seed(0)
-    ceiling = warm_up_device(device)
-    base = build_base_model(config.model, vocab_size=0, device=device)
-    if config.training.gradient_checkpointing:
-        enable_gradient_checkpointing(base)
-    base.config.use_cache = False
-    base.train()
-    vocab = base.config.vocab_size
-    batches = [torch.randint(0, vocab, (batch, seq), device=device) for _ in range(4)]
-    variants = variant_rows()
-    results = {name: Measurement(name) for name, _ in variants}
-    for _ in range(args.rounds):
-        for name, bem_kwargs in variants:
-            measure(name, base, config, bem_kwargs, batches, args, device, results[name])
-    rows = summarise(results, batch * seq)
-    print_table(rows, config, batch, seq, device, ceiling)
+    try:
+        configs = load_configs(args)
+        setups = chosen_setups(args.setups)
+    except ProfileConfigError as err:
+        print(f"train_throughput: {err}", file=sys.stderr)
+        return 2
+    rows: list[dict[str, Any]] = []
+    for name, config in configs:
+        print(f"{name}: {', '.join(s.name for s in setups)}", file=sys.stderr)
+        try:
+            rows += measure_config(config, setups, args)
+        except ProfileConfigError as err:
+            print(f"train_throughput: {err}", file=sys.stderr)
+            return 2
+        except Exception as err:  # noqa: BLE001 - in a sweep, one config's failure is shown; the others run
+            if len(configs) == 1:
+                raise
+            rows += [{"config": config.name, "setup": s.name, "error": f"{type(err).__name__}: {err}"} for s in setups]
+            gc.collect()
+            free_device_memory()
+    print(format_table(rows))
     if args.json is not None:
-        args.json.write_text(json.dumps({"batch": batch, "seq_len": seq, "device": str(device),
-                                         "matmul_tflops": ceiling, "rows": rows,
-                                         "raw": [asdict(m) for m in results.values()]}, indent=2))
-    return 0
-
-
-def summarise(results: dict[str, Measurement], tokens_per_step: int) -> list[dict]:
-    lora = results["PEFT LoRA"]
-    lora_tps = tokens_per_step / statistics.median(lora.step_seconds)
-    rows = []
-    for m in results.values():
-        tps = tokens_per_step / statistics.median(m.step_seconds)
-        rows.append({"variant": m.name, "tokens_per_s": tps, "speed_vs_lora": tps / lora_tps,
-                     "peak_gib": m.peak_bytes / 2 ** 30 if m.peak_bytes else None,
-                     "memory_vs_lora": m.peak_bytes / lora.peak_bytes if lora.peak_bytes else None,
-                     "trainable_params": m.trainable, "note": m.note})
-    return rows
-
-
-def print_table(rows: list[dict], config, batch: int, seq: int, device: torch.device, ceiling: float) -> None:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"device {name}; batch {batch} x seq {seq}; {config.model.dtype}, mixed precision "
-          f"{config.training.mixed_precision}, gradient checkpointing {config.training.gradient_checkpointing}; "
-          f"rank {config.bem.rank}, targets {', '.join(TARGETS)}")
-    if ceiling == ceiling:
-        print(f"bf16 matmul ceiling (8192^3): {ceiling:.0f} TFLOP/s")
-    header = f"{'variant':<24}{'tokens/s':>12}{'x LoRA':>9}{'peak GiB':>10}{'x LoRA':>9}{'trainable':>12}  note"
-    print(header)
-    print("-" * len(header))
-    for row in rows:
-        peak = "n/a" if row["peak_gib"] is None else f"{row['peak_gib']:.2f}"
-        mem_ratio = "n/a" if row["memory_vs_lora"] is None else f"{row['memory_vs_lora']:.3f}"
-        print(f"{row['variant']:<24}{row['tokens_per_s']:>12.0f}{row['speed_vs_lora']:>9.3f}{peak:>10}"
-              f"{mem_ratio:>9}{row['trainable_params']:>12,d}  {row['note']}")
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"kind": KIND, "rows": rows}, indent=2) + "\n")
+    return 1 if any("error" in row for row in rows) else 0
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ def test_profile_tiny_yaml_is_the_default():
     assert load_profile_config(REPO / "configs" / "profile_tiny.yaml") == ProfileConfig()
 
 
-def test_llama_1b_config_matches_the_issue_model():
+def test_llama_1b_config_matches_the_llama_3_2_1b_shapes():
     config = load_profile_config(REPO / "configs" / "profile_llama_1b.yaml")
     hf = config.model.config
     assert (hf["hidden_size"], hf["num_hidden_layers"], hf["intermediate_size"]) == (2048, 16, 8192)
@@ -59,6 +59,12 @@ def _write(tmp_path: Path, data: dict) -> Path:
     ({"gate": ["prefil"]}, "gate[] must be one of prefill, decode, decode_compiled, train; got 'prefil' (did you mean 'prefill'?)"),
     ({"max_overhead": -0.1}, "max_overhead must be in"),
     ({"timing": 3}, "timing must be a mapping"),
+    ({"timing": {"repeats": 5}}, "unknown key 'timing.repeats' (did you mean 'timing."),
+    ({"timing": {"min_repeats": 8, "max_repeats": 6}}, "timing.max_repeats must be >= timing.min_repeats (8)"),
+    ({"timing": {"min_repeats": 3, "max_repeats": 4}}, "timing.max_repeats must be at least 5 for a 90% interval"),
+    ({"timing": {"confidence": 0.95, "min_repeats": 5, "max_repeats": 5}}, "at least 6 for a 95% interval"),
+    ({"timing": {"confidence": 1.0}}, "timing.confidence must be in [0.5, 0.999]"),
+    ({"timing": {"target_spread": -0.01}}, "timing.target_spread must be in"),
     ({"model": {"config": {"vocab_size": 8}}}, "model.config must be a mapping with a model_type"),
 ])
 def test_bad_configs_exit_2_with_a_clear_message(tmp_path, capsys, data, expected):
@@ -96,6 +102,7 @@ def test_unknown_model_type_exits_2(tmp_path, capsys):
     (["--max-overhead", "abc"], "expected a number such as 0.15"),
     (["--max-overhead", "-1"], "must be a finite number >= 0"),
     (["--repeats", "0"], "expected a positive integer"),
+    (["--repeats", "3"], "timing.max_repeats must be at least 5 for a 90% interval"),
     (["--device", "tpu"], "invalid choice: 'tpu'"),
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
 ])
@@ -120,5 +127,5 @@ def test_help_exits_0(capsys):
 
 
 def test_programmatic_config_errors_name_the_field():
-    with pytest.raises(ProfileConfigError, match="timing.repeats"):
-        ProfileConfig(timing=type(ProfileConfig().timing)(repeats=0))
+    with pytest.raises(ProfileConfigError, match="timing.min_repeats"):
+        ProfileConfig(timing=type(ProfileConfig().timing)(min_repeats=0))

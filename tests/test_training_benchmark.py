@@ -1,28 +1,70 @@
-"""The training-throughput benchmark runs end to end (tiny, on CPU) and prints its comparison table."""
+"""The training-throughput benchmark on the tiny profile (CPU): both setups, both variants, one table, and
+the precision each setup promises."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_train_throughput_tiny_runs_and_reports_every_variant(tmp_path):
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load("train_throughput")
+setups = sys.modules["train_setups"]
+
+
+def test_tiny_run_reports_both_setups_for_bem_and_lora(tmp_path, capsys):
     out = tmp_path / "results.json"
-    done = subprocess.run(
-        [sys.executable, "benchmarks/train_throughput.py", "--config", "configs/train_llama_1b.yaml", "--tiny",
-         "--steps", "2", "--warmup", "1", "--rounds", "1", "--device", "cpu", "--json", str(out)],
-        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    for name in ("BEM (reference path)", "BEM (fused kernels)", "PEFT LoRA"):
-        assert name in done.stdout
-    rows = {row["variant"]: row for row in json.loads(out.read_text())["rows"]}
-    assert rows["PEFT LoRA"]["speed_vs_lora"] == 1.0
-    assert all(row["tokens_per_s"] > 0 for row in rows.values())
-    # same rank and targets: LoRA has r * (K + N) per projection; BEM adds its controller on top
-    assert rows["BEM (reference path)"]["trainable_params"] > rows["PEFT LoRA"]["trainable_params"] > 0
-    assert "reference path ran" in rows["BEM (fused kernels)"]["note"]  # no CUDA here, and it says so
+    assert bench.main(["--repeats", "5", "--batch-size", "1", "--seq-len", "16", "--device", "cpu",
+                       "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["config"], row["setup"]) for row in rows] == [("tiny", "bf16"), ("tiny", "autocast")]
+    for row in rows:
+        assert row["repeats"] == 5 and set(row["samples_ms"]) == {"bem", "lora"}
+        assert all(len(v) == 5 for v in row["samples_ms"].values())
+        assert row["bem_tokens_per_s"] > 0 and row["lora_tokens_per_s"] > 0 and row["tokens_per_step"] == 16
+        speed = row["speed_vs_lora"]
+        assert speed["low"] <= speed["point"] <= speed["high"]  # five repeats: [min, max] of the ratios
+        # same rank and targets: LoRA has r * (K + N) per projection; BEM adds its controller on top
+        assert row["trainable_parameters"]["bem"] > row["trainable_parameters"]["lora"] > 0
+        assert row["memory"]["bem"]["resident_bytes"] > 0 and row["memory"]["bem"]["peak_bytes"] is None  # CPU
+        assert row["note"].startswith("reference path: the tensors are on cpu")
+        assert any(line.startswith("tiny") and line.split()[1] == row["setup"] for line in table.splitlines())
+    assert "bf16: bf16 base, bfloat16 adapters, no autocast" in table
+    assert "autocast: bf16 base, float32 adapters, bf16 autocast" in table
+
+
+@pytest.mark.parametrize("name, adapter_dtype", [("bf16", torch.bfloat16), ("autocast", torch.float32)])
+def test_setups_cast_the_adapters_of_both_variants(name, adapter_dtype):
+    from bem.profiling.config import ProfileConfig
+    from bem.profiling.models import build_variants, load_base_model
+    from dataclasses import replace
+
+    config = ProfileConfig()
+    base = load_base_model(replace(config.model, dtype="bfloat16"), torch.device("cpu"), seed=0)
+    variants = build_variants(base, config.bem_config(), with_lora=True)
+    for model in (variants.bem, variants.lora):
+        setups.set_trainable_dtype(model, setups.SETUPS[name].adapter_dtype)
+        assert {p.dtype for p in model.parameters() if p.requires_grad} == {adapter_dtype}
+        assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
+
+
+def test_bad_setups_and_configs_exit_2(capsys):
+    assert bench.main(["--setups", "fp8"]) == 2
+    assert "--setups takes names of bf16, autocast" in capsys.readouterr().err
+    assert bench.main(["--sweep", "nope"]) == 2
+    assert "no profile config named 'nope'" in capsys.readouterr().err

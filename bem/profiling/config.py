@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 import yaml
 
 from ..config import HierarchicalBEMConfig, closest_name
+from .statistics import repeats_needed
 
 DTYPES = ("float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -73,8 +74,15 @@ class TrainSpec:
 
 @dataclass
 class TimingSpec:
+    """Untimed rounds, then timed repeats until BEM over base's interval is within ±target_spread, between
+    min_repeats and max_repeats, and for at most max_seconds of timed repeats per setting."""
+
     warmup: int = 1
-    repeats: int = 5
+    min_repeats: int = 5
+    max_repeats: int = 20
+    target_spread: float = 0.05
+    max_seconds: float = 3.0
+    confidence: float = 0.9  # of the order-statistic interval for the median per-repeat ratio
     gpu_warmup_seconds: float = 1.0
 
 
@@ -218,9 +226,7 @@ def validate(config: ProfileConfig) -> None:
     _positive_int("train.batch_size", config.train.batch_size)
     _positive_int("train.sequence_length", config.train.sequence_length, minimum=2)
     _number("train.learning_rate", config.train.learning_rate, 0.0)
-    _positive_int("timing.warmup", config.timing.warmup, minimum=0)
-    _positive_int("timing.repeats", config.timing.repeats)
-    _number("timing.gpu_warmup_seconds", config.timing.gpu_warmup_seconds, 0.0, 60.0)
+    _validate_timing(config.timing)
     _int_rows("kernels.shapes", config.kernels.shapes, 4, allow_empty=False)
     _choice("kernels.dtype", config.kernels.dtype, DTYPES)
     if not isinstance(config.kernels.run_with_profile, bool):
@@ -235,6 +241,24 @@ def validate(config: ProfileConfig) -> None:
     if not (config.prefill.shapes or config.decode.batch_sizes or config.train.enabled):
         raise ProfileConfigError("nothing to measure: prefill.shapes and decode.batch_sizes are empty and "
                                  "train.enabled is false")
+
+
+def _validate_timing(timing: TimingSpec) -> None:
+    _positive_int("timing.warmup", timing.warmup, minimum=0)
+    _positive_int("timing.min_repeats", timing.min_repeats)
+    _positive_int("timing.max_repeats", timing.max_repeats)
+    if timing.max_repeats < timing.min_repeats:
+        raise ProfileConfigError(f"timing.max_repeats must be >= timing.min_repeats ({timing.min_repeats}), "
+                                 f"got {timing.max_repeats}")
+    _number("timing.target_spread", timing.target_spread, 0.0)
+    _number("timing.max_seconds", timing.max_seconds, 0.0)
+    _number("timing.confidence", timing.confidence, 0.5, 0.999)
+    needed = repeats_needed(timing.confidence)
+    if timing.max_repeats < needed:
+        raise ProfileConfigError(
+            f"timing.max_repeats must be at least {needed} for a {100 * timing.confidence:g}% interval "
+            f"(fewer repeats cannot bound it, so no setting could be decided), got {timing.max_repeats}")
+    _number("timing.gpu_warmup_seconds", timing.gpu_warmup_seconds, 0.0, 60.0)
 
 
 def _validate_model(model: ModelSpec) -> None:

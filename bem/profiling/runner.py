@@ -13,10 +13,13 @@ from .config import ProfileConfig
 from .models import Variants, build_variants, count_parameters, load_base_model, resolve_device, vocab_size
 from .report import REPORT_KIND, SCHEMA_VERSION, apply_gate, make_setting
 from .routing import capture_last_call, replay
-from .timing import Clock, MeasurementError, interleaved, median, warm_up_gpu
+from .statistics import bem_spread
+from .stopping import StopRule
+from .timing import Clock, interleaved_until, median, warm_up_gpu
 from . import workloads
 
 Log = Callable[[str], None]
+PerRepeat = Callable[[dict[str, list[float]]], dict[str, list[float]]]  # samples -> each variant's value per repeat
 
 
 class Profiler:
@@ -29,9 +32,17 @@ class Profiler:
         self.settings: list[dict[str, Any]] = []
         self.routing: list[dict[str, Any]] = []
 
-    def _time(self, runs: dict) -> dict[str, list[float]]:
+    def _time(self, runs: dict, per_repeat: PerRepeat) -> tuple[dict[str, list[float]], str, float]:
+        """Samples, why the repeats stopped, and the setting's wall time (warm-up and compiling included)."""
         timing = self.config.timing
-        return interleaved(runs, self.clock, timing.warmup, timing.repeats)
+        rule = StopRule(timing.min_repeats, timing.max_repeats, timing.target_spread, timing.max_seconds)
+        started = time.perf_counter()
+        samples, reason = interleaved_until(runs, self.clock, timing.warmup, rule,
+                                            lambda s: bem_spread(per_repeat(s), timing.confidence))
+        return samples, reason, time.perf_counter() - started
+
+    def _variant_samples(self, samples: dict[str, list[float]]) -> dict[str, list[float]]:
+        return {key: samples[key] for key in self.variants.named()}
 
     def _batches(self, batch: int, length: int, salt: int) -> list[torch.Tensor]:
         return workloads.random_batches(self.vocab, batch, length, self.config.seed + salt, self.device)
@@ -52,8 +63,7 @@ class Profiler:
         runs = {key: workloads.prefill(model, batches, self.logits_to_keep)
                 for key, model in self.variants.named().items()}
         self._add_controller_run(runs, "forward")
-        samples = self._time(runs)
-        self._add(name, "prefill", {"batch": batch, "sequence": length}, "ms", samples)
+        self._add(name, "prefill", {"batch": batch, "sequence": length}, "ms", runs, self._variant_samples)
 
     # ------------------------------------------------------------------ decode
     def decode(self, batch: int, compiled: bool = False) -> None:
@@ -69,18 +79,25 @@ class Profiler:
             runs[f"{key}:first"] = workloads.generation(model, batches, 1, self.pad_token_id, backend)
         if not compiled:  # compiled, the controller's step is part of one graph: no share to time apart
             self._add_controller_run(runs, "step")
-        samples = self._time(runs)
-        # per generated token: (generate N - generate 1) / (N - 1) leaves out the prompt's prefill
-        per_token = {}
-        for key in self.variants.named():
-            full, first = median(samples[key]), median(samples[f"{key}:first"])
-            per_token[key] = (full - first) / (spec.new_tokens - 1)
-        if min(per_token.values()) <= 0:
-            raise MeasurementError(f"{name}: generating {spec.new_tokens} tokens was not slower than generating one; "
-                               f"the timings are noise (raise decode.new_tokens or timing.repeats)")
         shape = {"batch": batch, "prompt_length": spec.prompt_length, "new_tokens": spec.new_tokens}
         kind = "decode_compiled" if compiled else "decode"
-        self._add(name, kind, shape, "ms/token", samples, medians=per_token)
+        self._add(name, kind, shape, "ms/token", runs, self._per_token)
+
+    def _per_token(self, samples: dict[str, list[float]]) -> dict[str, list[float]]:
+        """Per generated token, each repeat: (generate N - generate 1) / (N - 1) leaves out the prompt's prefill."""
+        steps = self.config.decode.new_tokens - 1
+        return {key: [(full - first) / steps for full, first in zip(samples[key], samples[f"{key}:first"])]
+                for key in self.variants.named()}
+
+    def _per_token_problem(self, per_repeat: dict[str, list[float]]) -> Optional[str]:
+        bad = {key: sum(value <= 0 for value in values) for key, values in per_repeat.items()}
+        bad = {key: count for key, count in bad.items() if count}
+        if not bad:
+            return None
+        which = ", ".join(f"{key} in {count}" for key, count in bad.items())
+        return (f"generating {self.config.decode.new_tokens} tokens measured no slower than generating one "
+                f"({which} of {len(next(iter(per_repeat.values())))} repeats): no per-token time there "
+                f"(raise decode.new_tokens or timing.max_repeats)")
 
     # ------------------------------------------------------------------ training step
     def train(self) -> None:
@@ -94,29 +111,33 @@ class Profiler:
         try:
             runs = {key: workloads.training_step(model, batches, spec.learning_rate, frozen_base=(key == "base"))
                     for key, model in models.items()}
-            samples = self._time(runs)
-            memory = {key: workloads.step_memory(models[key], runs[key], self.device) for key in runs}
+            shape = {"batch": spec.batch_size, "sequence": spec.sequence_length}
+            self._add(name, "train", shape, "ms", runs, self._variant_samples,
+                      memory=lambda: {key: workloads.step_memory(models[key], runs[key], self.device) for key in runs})
         finally:
             for model in models.values():
                 model.eval()
                 model.zero_grad(set_to_none=True)
-        shape = {"batch": spec.batch_size, "sequence": spec.sequence_length}
-        self._add(name, "train", shape, "ms", samples, memory=memory)
 
     # ------------------------------------------------------------------ records
-    def _add(self, name: str, kind: str, shape: dict, unit: str, samples: dict[str, list[float]],
-             medians: Optional[dict[str, float]] = None, memory: Optional[dict] = None) -> None:
-        medians = dict(medians or {key: median(samples[key]) for key in self.variants.named()})
-        setting = make_setting(name, kind, shape, unit, medians, samples, memory,
-                               gated=kind in self.config.gate)
+    def _add(self, name: str, kind: str, shape: dict, unit: str, runs: dict, per_repeat: PerRepeat,
+             memory: Optional[Callable[[], dict]] = None) -> None:
+        """Time `runs` until the stopping rule ends them, then record the setting (and the controller's share)."""
+        samples, stop_reason, seconds = self._time(runs, per_repeat)
+        values = per_repeat(samples)
+        problem = self._per_token_problem(values) if unit == "ms/token" else None
+        setting = make_setting(name, kind, shape, unit, values, samples, memory() if memory else None,
+                               gated=kind in self.config.gate, confidence=self.config.timing.confidence,
+                               stop_reason=stop_reason, seconds=seconds, problem=problem)
         self.settings.append(setting)
-        if "controller" in samples:
+        self.log(f"    {setting['repeats']} repeats ({stop_reason}, {seconds:.1f} s)")
+        if "controller" in samples and setting["bem"] > 0 and setting["base"] > 0:
             controller_ms = median(samples["controller"])
             self.routing.append({
                 "setting": name, "call": "forward" if kind == "prefill" else "step",
                 "controller_ms": controller_ms, "samples": samples["controller"],
-                "share_of_bem": controller_ms / medians["bem"],
-                "fraction_of_base": controller_ms / medians["base"],
+                "share_of_bem": controller_ms / setting["bem"],
+                "fraction_of_base": controller_ms / setting["base"],
             })
 
 
@@ -133,7 +154,7 @@ def run_profile(config: ProfileConfig, log: Log = print) -> dict[str, Any]:
         variants = build_variants(base, config.bem_config(), config.lora)
     warm_up_gpu(device, config.timing.gpu_warmup_seconds)
     profiler = Profiler(config, variants, device, log)
-    log("measuring (medians; base, BEM and LoRA interleaved):")
+    log("measuring (base, BEM and LoRA interleaved; repeats until the spread or the budget says stop):")
     for batch, length in config.prefill.shapes:
         profiler.prefill(batch, length)
     for batch in config.decode.batch_sizes if config.decode.eager else []:
@@ -148,7 +169,7 @@ def run_profile(config: ProfileConfig, log: Log = print) -> dict[str, Any]:
         from .kernels import run_kernel_benchmark
 
         log("  kernel micro-benchmark")
-        kernels = run_kernel_benchmark(config.kernels, device, repeats=config.timing.repeats, seed=config.seed)
+        kernels = run_kernel_benchmark(config.kernels, device, repeats=config.timing.min_repeats, seed=config.seed)
     report = {
         "kind": REPORT_KIND,
         "schema_version": SCHEMA_VERSION,
@@ -158,17 +179,26 @@ def run_profile(config: ProfileConfig, log: Log = print) -> dict[str, Any]:
         "config": config.to_dict(),
         "environment": environment(device, config),
         "model": model_summary(variants),
-        "timing": {"method": profiler.clock.method, "statistic": "median", "warmup": config.timing.warmup,
-                   "repeats": config.timing.repeats, "interleaved": True,
-                   "gpu_warmup_seconds": config.timing.gpu_warmup_seconds if device.type == "cuda" else 0.0},
+        "timing": timing_summary(config, profiler.clock, device),
         "settings": profiler.settings,
         "routing": profiler.routing,
         "kernels": kernels,
         "max_overhead": config.max_overhead,
         "failed": [],
-        "passed": True,
+        "undecided": [],
+        "verdict": "undecided",
+        "passed": False,
     }
     return apply_gate(report, config.max_overhead)
+
+
+def timing_summary(config: ProfileConfig, clock: Clock, device: torch.device) -> dict[str, Any]:
+    timing = config.timing
+    return {"method": clock.method, "statistic": "median", "interval": "order-statistic interval of the median "
+            "per-repeat ratio", "confidence": timing.confidence, "warmup": timing.warmup,
+            "min_repeats": timing.min_repeats, "max_repeats": timing.max_repeats,
+            "target_spread": timing.target_spread, "max_seconds": timing.max_seconds, "interleaved": True,
+            "gpu_warmup_seconds": timing.gpu_warmup_seconds if device.type == "cuda" else 0.0}
 
 
 def environment(device: torch.device, config: ProfileConfig) -> dict[str, Any]:

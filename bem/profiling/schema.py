@@ -1,4 +1,4 @@
-"""The JSON report's schema (version 1, documented in docs/profiling.md) and a validator for it.
+"""The JSON report's schema (version 2, documented in docs/profiling.md) and a validator for it.
 
 A schema node is a type or tuple of types (None allowed), a dict of required keys, a one-element
 list (a list of such items) or `MapOf(node)` (a mapping with any string keys).
@@ -19,6 +19,8 @@ class MapOf:
 
 MEMORY = {"saved_for_backward_bytes": int, "peak_step_bytes": (int, NoneType)}
 
+INTERVAL = {"low": (*Number, NoneType), "high": (*Number, NoneType)}  # null: unbounded at that end
+
 SETTING = {
     "name": str,
     "kind": str,  # prefill | decode | decode_compiled | train
@@ -27,13 +29,19 @@ SETTING = {
     "base": Number,
     "bem": Number,
     "lora": (*Number, NoneType),
-    "bem_overhead": Number,
+    "bem_overhead": (*Number, NoneType),  # null when the timings give no ratio (see problem)
     "lora_overhead": (*Number, NoneType),
     "bem_vs_lora": (*Number, NoneType),
+    "intervals": MapOf(INTERVAL),  # bem_overhead, and lora_overhead / bem_vs_lora with LoRA
+    "repeats": int,
+    "stop_reason": str,  # target_spread | max_repeats | max_seconds
+    "seconds": Number,
+    "problem": (str, NoneType),
     "samples_ms": MapOf([Number]),
     "memory": (MapOf(MEMORY), NoneType),
     "gated": bool,
-    "passed": bool,
+    "verdict": str,  # pass | fail | undecided | ungated
+    "verdict_reason": str,
 }
 
 ROUTING = {
@@ -95,14 +103,54 @@ REPORT = {
         "model_type": str, "parameters": int, "bem_modules": int, "bem_trainable_parameters": int,
         "lora_trainable_parameters": (int, NoneType), "lora_note": (str, NoneType), "routing": bool,
     },
-    "timing": {"method": str, "statistic": str, "warmup": int, "repeats": int, "interleaved": bool,
-               "gpu_warmup_seconds": Number},
+    "timing": {"method": str, "statistic": str, "interval": str, "confidence": Number, "warmup": int,
+               "min_repeats": int, "max_repeats": int, "target_spread": Number, "max_seconds": Number,
+               "interleaved": bool, "gpu_warmup_seconds": Number},
     "settings": [SETTING],
     "routing": [ROUTING],
     "kernels": (KERNELS, NoneType),
     "max_overhead": Number,
     "failed": [str],
+    "undecided": [str],
+    "verdict": str,  # pass | fail | undecided
     "passed": bool,
+}
+
+
+SWEEP_CONFIG = {
+    "name": str,
+    "config_path": str,
+    "report_path": (str, NoneType),
+    "verdict": str,  # pass | fail | undecided | error
+    "error": (str, NoneType),
+    "max_overhead": Number,
+    "failed": [str],
+    "undecided": [str],
+}
+
+SWEEP_ROW = {
+    "config": str,
+    "setting": str,
+    "kind": str,
+    "unit": str,
+    "base": Number,
+    "bem": Number,
+    "lora": (*Number, NoneType),
+    "bem_overhead": (*Number, NoneType),
+    "interval": (INTERVAL, NoneType),
+    "repeats": int,
+    "verdict": str,
+    "verdict_reason": str,
+}
+
+SWEEP_SUMMARY = {
+    "kind": str,
+    "schema_version": int,
+    "created_unix": Number,
+    "duration_s": Number,
+    "configs": [SWEEP_CONFIG],
+    "rows": [SWEEP_ROW],
+    "verdict": str,  # pass | fail | undecided
 }
 
 
@@ -112,6 +160,27 @@ def validate_report(report: Any) -> list[str]:
     _check(report, REPORT, "report", errors)
     if not errors:
         _check_consistency(report, errors)
+    return errors
+
+
+def validate_sweep_summary(summary: Any) -> list[str]:
+    """Every way a `--sweep` summary departs from its schema; empty when it conforms."""
+    from .sweep import ERROR, SUMMARY_KIND, SUMMARY_SCHEMA_VERSION, sweep_verdict
+
+    errors: list[str] = []
+    _check(summary, SWEEP_SUMMARY, "summary", errors)
+    if errors:
+        return errors
+    if summary["kind"] != SUMMARY_KIND:
+        errors.append(f"summary.kind: expected '{SUMMARY_KIND}', got {summary['kind']!r}")
+    if summary["schema_version"] != SUMMARY_SCHEMA_VERSION:
+        errors.append(f"summary.schema_version: expected {SUMMARY_SCHEMA_VERSION}, got {summary['schema_version']!r}")
+    for index, config in enumerate(summary["configs"]):
+        if (config["verdict"] == ERROR) != (config["error"] is not None):
+            errors.append(f"summary.configs[{index}]: verdict 'error' goes with an error message, and only it")
+    expected = sweep_verdict([c["verdict"] for c in summary["configs"]])
+    if summary["verdict"] != expected:
+        errors.append(f"summary.verdict: expected {expected!r} from the configs' verdicts, got {summary['verdict']!r}")
     return errors
 
 
@@ -166,21 +235,53 @@ def _check(value: Any, node: Any, path: str, errors: list[str]) -> None:
 
 
 def _check_consistency(report: dict, errors: list[str]) -> None:
-    """Facts the types cannot say: known kinds, the gate agrees with the numbers."""
+    """Facts the types cannot say: known kinds and names, intervals in order, the verdicts agree with them."""
     from .config import KINDS
+    from .gate import VERDICTS, judge, overall
     from .report import REPORT_KIND, SCHEMA_VERSION
+    from .statistics import RATIOS
+    from .stopping import STOP_REASONS
 
     if report["kind"] != REPORT_KIND:
         errors.append(f"report.kind: expected '{REPORT_KIND}', got {report['kind']!r}")
     if report["schema_version"] != SCHEMA_VERSION:
-        errors.append(f"report.schema_version: expected {SCHEMA_VERSION}, got {report['schema_version']!r}")
-    failed = []
+        errors.append(f"report.schema_version: expected {SCHEMA_VERSION}, got {report['schema_version']!r}"
+                      + (" (a report from before intervals; measure again)" if report["schema_version"] == 1 else ""))
+    ratio_keys = {key for key, _, _ in RATIOS}
     for index, setting in enumerate(report["settings"]):
+        where = f"report.settings[{index}]"
         if setting["kind"] not in KINDS:
-            errors.append(f"report.settings[{index}].kind: unknown kind {setting['kind']!r}")
-        if setting["base"] <= 0 or setting["bem"] <= 0:
-            errors.append(f"report.settings[{index}]: times must be positive")
-        if setting["gated"] and setting["bem_overhead"] > report["max_overhead"]:
-            failed.append(setting["name"])
-    if failed != report["failed"] or report["passed"] != (not failed):
-        errors.append(f"report.failed/passed disagree with the overheads: expected failed={failed}")
+            errors.append(f"{where}.kind: unknown kind {setting['kind']!r}")
+        if setting["stop_reason"] not in STOP_REASONS:
+            errors.append(f"{where}.stop_reason: expected one of {', '.join(STOP_REASONS)}, got {setting['stop_reason']!r}")
+        if setting["verdict"] not in VERDICTS:
+            errors.append(f"{where}.verdict: expected one of {', '.join(VERDICTS)}, got {setting['verdict']!r}")
+        if setting["problem"] is None and (setting["base"] <= 0 or setting["bem"] <= 0):
+            errors.append(f"{where}: times must be positive unless a problem is recorded")
+        if setting["problem"] is None and setting["bem_overhead"] is None:
+            errors.append(f"{where}.bem_overhead: null without a problem recorded")
+        for key, interval in setting["intervals"].items():
+            if key not in ratio_keys:
+                errors.append(f"{where}.intervals.{key}: unknown ratio (expected {', '.join(sorted(ratio_keys))})")
+            elif None not in (interval["low"], interval["high"]) and interval["low"] > interval["high"]:
+                errors.append(f"{where}.intervals.{key}: low {interval['low']} above high {interval['high']}")
+        if "bem_overhead" not in setting["intervals"]:
+            errors.append(f"{where}.intervals: missing 'bem_overhead'")
+        if any(len(values) != setting["repeats"] for key, values in setting["samples_ms"].items()):
+            errors.append(f"{where}.samples_ms: every workload needs {setting['repeats']} samples (repeats)")
+    if errors:
+        return
+    expected = [judge(setting, report["max_overhead"])[0] for setting in report["settings"]]
+    for index, (setting, verdict) in enumerate(zip(report["settings"], expected)):
+        if setting["verdict"] != verdict:
+            errors.append(f"report.settings[{index}].verdict: {setting['verdict']!r} disagrees with its interval "
+                          f"and max_overhead (expected {verdict!r})")
+    names = [s["name"] for s in report["settings"]]
+    failed = [n for n, v in zip(names, expected) if v == "fail"]
+    undecided = [n for n, v in zip(names, expected) if v == "undecided"]
+    if failed != report["failed"] or undecided != report["undecided"]:
+        errors.append(f"report.failed/undecided disagree with the verdicts: expected failed={failed}, "
+                      f"undecided={undecided}")
+    verdict = overall(expected)
+    if report["verdict"] != verdict or report["passed"] != (verdict == "pass"):
+        errors.append(f"report.verdict/passed disagree with the settings: expected verdict={verdict!r}")

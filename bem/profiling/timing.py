@@ -2,6 +2,8 @@
 
 Variants are timed round-robin within each repeat, with the starting variant rotated from one repeat
 to the next, so drifting clocks, thermal state or a noisy neighbour affect every variant alike.
+`interleaved` runs a fixed number of repeats; `interleaved_until` adds repeats until a `StopRule` says
+the spread is small enough or the budget is spent.
 """
 
 from __future__ import annotations
@@ -12,12 +14,10 @@ from typing import Any, Callable
 
 import torch
 
+from .stopping import StopRule
+
 # A workload takes the repeat index (to rotate its inputs) and returns anything.
 Workload = Callable[[int], Any]
-
-
-class MeasurementError(RuntimeError):
-    """The timings cannot support a result (e.g. pure noise); the command reports it and exits 1."""
 
 
 class Clock:
@@ -65,19 +65,50 @@ def warm_up_gpu(device: torch.device, seconds: float) -> int:
     return count
 
 
-def interleaved(workloads: dict[str, Workload], clock: Clock, warmup: int, repeats: int) -> dict[str, list[float]]:
-    """Samples (ms) per workload: `warmup` untimed rounds, then `repeats` timed round-robin rounds."""
-    names = list(workloads)
+def _warm_up(workloads: dict[str, Workload], clock: Clock, warmup: int) -> None:
     for index in range(warmup):
-        for name in names:
+        for name in workloads:
             workloads[name](index)
     clock.synchronize()
-    samples: dict[str, list[float]] = {name: [] for name in names}
+
+
+def _timed_round(workloads: dict[str, Workload], clock: Clock, index: int, samples: dict[str, list[float]]) -> None:
+    """One repeat: every workload once, starting from a different one each repeat."""
+    names = list(workloads)
+    shift = index % len(names)
+    for name in names[shift:] + names[:shift]:
+        samples[name].append(clock.time_ms(lambda: workloads[name](index)))
+
+
+def interleaved(workloads: dict[str, Workload], clock: Clock, warmup: int, repeats: int) -> dict[str, list[float]]:
+    """Samples (ms) per workload: `warmup` untimed rounds, then `repeats` timed round-robin rounds."""
+    _warm_up(workloads, clock, warmup)
+    samples: dict[str, list[float]] = {name: [] for name in workloads}
     for index in range(repeats):
-        shift = index % len(names)
-        for name in names[shift:] + names[:shift]:
-            samples[name].append(clock.time_ms(lambda: workloads[name](index)))
+        _timed_round(workloads, clock, index, samples)
     return samples
+
+
+SpreadOf = Callable[[dict[str, list[float]]], float]
+
+
+def interleaved_until(workloads: dict[str, Workload], clock: Clock, warmup: int, rule: StopRule,
+                      spread_of: SpreadOf, now: Callable[[], float] = time.perf_counter,
+                      ) -> tuple[dict[str, list[float]], str]:
+    """Samples (ms) per workload and why the repeats stopped: after `warmup` untimed rounds, timed
+    round-robin rounds until `rule` stops them, given `spread_of(samples so far)` (checked from
+    `rule.min_repeats` on) and the seconds the timed rounds have taken."""
+    _warm_up(workloads, clock, warmup)
+    samples: dict[str, list[float]] = {name: [] for name in workloads}
+    started = now()
+    index = 0
+    while True:
+        _timed_round(workloads, clock, index, samples)
+        index += 1
+        spread = spread_of(samples) if index >= rule.min_repeats else float("inf")
+        reason = rule.reason(index, spread, now() - started)
+        if reason is not None:
+            return samples, reason
 
 
 def median(samples: list[float]) -> float:
