@@ -75,6 +75,14 @@ def mutate_bem_value(raw):
     raw["bem"]["dropout"] = 1.5
 
 
+def mutate_strategy(raw):
+    raw["training"]["distributed"] = "zero3"
+
+
+def mutate_strategy_key(raw):
+    raw["training"]["strategy"] = "fsdp"
+
+
 @pytest.mark.parametrize("mutate, expected", [
     (mutate_typo, ["training.learning_rate", "unknown key", "did you mean 'lr'"]),
     (mutate_bem_typo, ["bem.rnak", "did you mean 'rank'"]),
@@ -82,6 +90,8 @@ def mutate_bem_value(raw):
     (mutate_missing_file, ["data.train", "/nonexistent/train.jsonl"]),
     (mutate_section, ["trainig", "did you mean 'training'"]),
     (mutate_bem_value, ["bem.dropout", "1.5"]),
+    (mutate_strategy, ["training.distributed", "'ddp', 'fsdp'", "'zero3'"]),
+    (mutate_strategy_key, ["training.strategy", "did you mean 'distributed'"]),
 ])
 def test_config_errors_exit_2_before_any_model(tmp_path, capsys, no_model_loading, mutate, expected):
     code, out, err = run_cli([write_config(tmp_path, mutate)], capsys)
@@ -104,6 +114,11 @@ def test_bad_overrides_exit_2(tmp_path, capsys, no_model_loading, override, expe
     code, _, err = run_cli([write_config(tmp_path), override], capsys)
     assert code == 2
     assert expected in err
+
+
+def test_distributed_defaults_to_ddp_and_takes_fsdp(tmp_path):
+    assert load_train_config(write_config(tmp_path)).training.distributed == "ddp"
+    assert load_train_config(write_config(tmp_path), ["training.distributed=fsdp"]).training.distributed == "fsdp"
 
 
 def test_overrides_apply_and_parse_yaml_values(tmp_path):

@@ -3,8 +3,9 @@
 Every file is written into a hidden temp directory, which is renamed into place last; a run killed at
 any moment leaves only whole checkpoints. Contents:
 
-    adapter_model.safetensors          bem_state_dict() of the adapter and controller
-    optimizer.safetensors/.json        optimizer state (tensors / everything else)
+    adapter_model.safetensors          bem_state_dict() of the adapter and controller (full tensors)
+    optimizer.safetensors/.json        optimizer state (tensors / everything else), or under FSDP
+    optimizer_rank<R>.safetensors/.json  each process's shard of it
     scheduler.json                     LR scheduler and gradient scaler state
     rng_rank<R>.safetensors/.json      each process's RNG states
     trainer_state.json                 step, data position, run shape; written last
@@ -18,11 +19,12 @@ import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from ..io_utils import atomic_save_safetensors, atomic_write_json
+from .schema import ConfigError
 from .state_io import load_optimizer_state, load_rng_state, save_optimizer_state, save_rng_state
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -38,6 +40,8 @@ class TrainerState:
     world_size: int
     batch_size: int
     gradient_accumulation_steps: int
+    # "fsdp": the optimizer state is saved as one shard per process; "ddp": whole, by the main process
+    distributed: str = "ddp"
 
 
 def checkpoints_dir(output_dir: Path) -> Path:
@@ -58,6 +62,12 @@ def latest_checkpoint(output_dir: Path) -> Optional[Path]:
     return found[-1] if found else None
 
 
+def optimizer_files(directory: Path, state: TrainerState, rank: int) -> tuple[Path, Path]:
+    """Where the optimizer state of `rank` is: its own shard files under FSDP, the shared ones otherwise."""
+    stem = f"optimizer_rank{rank}" if state.distributed == "fsdp" else "optimizer"
+    return directory / f"{stem}.safetensors", directory / f"{stem}.json"
+
+
 def save_checkpoint(
     output_dir: Path,
     state: TrainerState,
@@ -68,8 +78,10 @@ def save_checkpoint(
     is_main: bool,
     barrier: Callable[[], None],
     keep: Optional[int],
+    sharded: Sequence[str] = (),
 ) -> Path:
-    """Write one checkpoint from every process (each writes its RNG state; the main one the rest)."""
+    """Write one checkpoint from every process: each writes its RNG state, under FSDP also its shard of the
+    optimizer state (`optimizer_state`, whose tensors named in `sharded` are shards); the main process the rest."""
     root = checkpoints_dir(output_dir)
     final = root / f"step-{state.step:08d}"
     tmp = root / f".tmp-step-{state.step:08d}"
@@ -79,9 +91,10 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     barrier()
     save_rng_state(tmp / f"rng_rank{rank}.safetensors", tmp / f"rng_rank{rank}.json")
+    if is_main or state.distributed == "fsdp":
+        save_optimizer_state(optimizer_state, *optimizer_files(tmp, state, rank), sharded=sharded)
     if is_main:
         atomic_save_safetensors(tmp / "adapter_model.safetensors", adapter_state)
-        save_optimizer_state(optimizer_state, tmp / "optimizer.safetensors", tmp / "optimizer.json")
         atomic_write_json(tmp / "scheduler.json", scheduler_state)
     barrier()
     if is_main:
@@ -104,18 +117,40 @@ def read_trainer_state(directory: Path) -> TrainerState:
     return TrainerState(**json.loads(path.read_text()))
 
 
-def load_checkpoint(directory: Path, rank: int) -> tuple[TrainerState, dict, dict, dict]:
-    """(trainer state, adapter tensors, optimizer state dict, scheduler record); restores this rank's RNGs."""
+def check_resumable(saved: TrainerState, run: TrainerState, directory: Path) -> None:
+    """Refuse a checkpoint whose data position or optimizer layout does not carry over to this run."""
+    saved_shape = (saved.world_size, saved.batch_size, saved.gradient_accumulation_steps)
+    run_shape = (run.world_size, run.batch_size, run.gradient_accumulation_steps)
+    if saved_shape != run_shape:
+        raise ConfigError("training.resume", f"{directory} was written by a run with {saved_shape[0]} processes x "
+                                             f"batch_size {saved_shape[1]} x gradient_accumulation_steps "
+                                             f"{saved_shape[2]}; this run has {run_shape[0]} x {run_shape[1]} x "
+                                             f"{run_shape[2]}, so the data position would not match")
+    if saved.distributed != run.distributed:
+        layout = {"fsdp": "sharded over the processes", "ddp": "whole"}
+        raise ConfigError("training.distributed", f"{directory} was written by a run with {saved.distributed} (its "
+                                                  f"optimizer state is {layout[saved.distributed]}); this run uses "
+                                                  f"{run.distributed}: resume with training.distributed="
+                                                  f"{saved.distributed}")
+
+
+def load_checkpoint(directory: Path, rank: int) -> tuple[TrainerState, dict, dict, list[str], dict]:
+    """(trainer state, adapter tensors, this rank's optimizer state dict, the names of its tensors that are
+    shards, scheduler record); restores this rank's RNGs."""
     from safetensors.torch import load_file
 
     state = read_trainer_state(directory)
     adapter = load_file(str(directory / "adapter_model.safetensors"))
-    optimizer = load_optimizer_state(directory / "optimizer.safetensors", directory / "optimizer.json")
+    tensors_file, json_file = optimizer_files(directory, state, rank)
+    if not tensors_file.is_file():
+        raise FileNotFoundError(f"{directory} has no {tensors_file.name}: it was written by a run of "
+                                f"{state.world_size} processes ({state.distributed})")
+    optimizer, sharded = load_optimizer_state(tensors_file, json_file)
     scheduler = json.loads((directory / "scheduler.json").read_text())
     rng_tensors = directory / f"rng_rank{rank}.safetensors"
     if rng_tensors.is_file():
         load_rng_state(rng_tensors, directory / f"rng_rank{rank}.json")
-    return state, adapter, optimizer, scheduler
+    return state, adapter, optimizer, sharded, scheduler
 
 
 def _fsync_dir(path: Path) -> None:

@@ -23,7 +23,8 @@ ALIASES = {"learning_rate": "lr", "num_epochs": "epochs", "num_train_epochs": "e
            "save_steps": "save_every", "eval_steps": "eval_every", "logging_steps": "log_every",
            "resume_from_checkpoint": "resume", "model_name_or_path": "path", "torch_dtype": "dtype",
            "seq_len": "max_length", "max_seq_length": "max_length", "lora_r": "rank", "r": "rank",
-           "lora_alpha": "alpha", "lora_dropout": "dropout"}
+           "lora_alpha": "alpha", "lora_dropout": "dropout", "fsdp": "distributed", "ddp": "distributed",
+           "strategy": "distributed", "distributed_type": "distributed"}
 
 
 def suggest(name: str, candidates) -> str:
@@ -109,6 +110,8 @@ class TrainingSection:
     log_every: int = 10
     resume: Optional[str] = None  # "latest" or a checkpoint directory
     cpu: bool = False  # train on the CPU even when an accelerator is present
+    # how several processes split the work: "ddp" replicates the model on each, "fsdp" shards it (FSDP2)
+    distributed: Literal["ddp", "fsdp"] = "ddp"
 
     def check(self) -> None:
         for key in ("batch_size", "gradient_accumulation_steps", "epochs", "log_every"):

@@ -5,28 +5,30 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from ..io_utils import atomic_save_safetensors, atomic_write_json
 
 
-def save_optimizer_state(state: dict[str, Any], tensors_path: Path, json_path: Path) -> None:
-    """Split `optimizer.state_dict()` into its tensors (safetensors) and everything else (JSON)."""
+def save_optimizer_state(state: dict[str, Any], tensors_path: Path, json_path: Path, sharded: Sequence[str] = ()) -> None:
+    """Split `optimizer.state_dict()` into its tensors (safetensors) and everything else (JSON). `sharded` names
+    the tensors (`<param id>.<name>`) that are one process's shard of a larger tensor (FSDP), recorded as such."""
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for param_id, param_state in state["state"].items():
         for name, value in param_state.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{param_id}.{name}"] = value
+                tensors[f"{param_id}.{name}"] = value.contiguous()
             else:
                 scalars.setdefault(str(param_id), {})[name] = value
     atomic_save_safetensors(tensors_path, tensors)
-    atomic_write_json(json_path, {"param_groups": state["param_groups"], "scalars": scalars})
+    atomic_write_json(json_path, {"param_groups": state["param_groups"], "scalars": scalars, "sharded": list(sharded)})
 
 
-def load_optimizer_state(tensors_path: Path, json_path: Path) -> dict[str, Any]:
+def load_optimizer_state(tensors_path: Path, json_path: Path) -> tuple[dict[str, Any], list[str]]:
+    """The optimizer state dict, and the names of its tensors that were saved as shards."""
     from safetensors.torch import load_file
 
     record = json.loads(json_path.read_text())
@@ -41,7 +43,7 @@ def load_optimizer_state(tensors_path: Path, json_path: Path) -> dict[str, Any]:
         for key, value in group.items():
             if isinstance(value, list) and key != "params":
                 group[key] = tuple(value)  # JSON turned tuples such as Adam's betas into lists
-    return {"state": state, "param_groups": groups}
+    return {"state": state, "param_groups": groups}, list(record.get("sharded", []))
 
 
 def save_rng_state(tensors_path: Path, json_path: Path) -> None:

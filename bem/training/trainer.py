@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ..io_utils import atomic_write_text
 from . import checkpoint as ckpt
+from . import distributed
 from .config import TrainConfig
 from .data import (IGNORE_INDEX, Collator, EpochSampler, read_records, split_examples, target_token_count,
                    tokenize_records)
@@ -62,14 +63,13 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 class Trainer:
     def __init__(self, config: TrainConfig, echo: Callable[[str], None] = print) -> None:
-        from accelerate import Accelerator
         from accelerate.utils import set_seed
 
         self.config = config
         training = config.training
         self.resume_from = resolve_resume(config)
-        # rng_types=[]: the data order comes from EpochSampler alone; accelerate must not reseed anything
-        self.accelerator = Accelerator(mixed_precision=training.mixed_precision, cpu=training.cpu, rng_types=[])
+        self.accelerator = distributed.make_accelerator(training)
+        self.sharded = distributed.is_sharded(self.accelerator)  # FSDP: parameters are DTensor shards
         self.is_main = self.accelerator.is_main_process
         self.echo = echo if self.is_main else (lambda _msg: None)
         self.output_dir = config.output_dir
@@ -110,6 +110,9 @@ class Trainer:
             # trainable weights stay fp32 under autocast; only the frozen base runs in the low precision
             for param in params:
                 param.data = param.data.float()
+        # under FSDP the controller stays whole on every process; its gradients are averaged by this loop
+        self.whole_params = (distributed.keep_whole(self.accelerator, [model.controller])
+                             if self.sharded and model.controller is not None else [])
         optimizer = build_optimizer(params, training)
         self.sampler = EpochSampler(len(self.train_examples), training.seed)
         loader = torch.utils.data.DataLoader(self.train_examples, batch_size=training.batch_size, sampler=self.sampler,
@@ -126,7 +129,7 @@ class Trainer:
         self.total_steps = training.max_steps or training.epochs * self.steps_per_epoch
         # stepped once per optimizer step by this loop (accelerate's wrapper would step it per process)
         self.scheduler = build_scheduler(optimizer, training, self.total_steps)
-        self.params = params
+        self.params = trainable_parameters(self.model)  # FSDP replaced them with sharded ones
 
     def _save_fresh_base(self, base: torch.nn.Module) -> None:
         # the adapter is only usable with these exact random weights: keep them, written atomically
@@ -147,29 +150,38 @@ class Trainer:
         return ckpt.TrainerState(step=step, epoch=consumed // self.micro_per_epoch,
                                  micro_batch_in_epoch=consumed % self.micro_per_epoch, tokens_seen=tokens_seen,
                                  world_size=self.accelerator.num_processes, batch_size=self.config.training.batch_size,
-                                 gradient_accumulation_steps=self.config.training.gradient_accumulation_steps)
+                                 gradient_accumulation_steps=self.config.training.gradient_accumulation_steps,
+                                 distributed="fsdp" if self.sharded else "ddp")
+
+    def full_adapter_state(self) -> dict[str, torch.Tensor]:
+        """The adapter's full tensors on every process (under FSDP a collective: all processes call it)."""
+        return distributed.full_tensors(self.bem_model.bem_state_dict())
 
     def save_checkpoint(self, step: int, tokens_seen: int) -> Path:
         scheduler_state = {"scheduler": self.scheduler.state_dict()}
         if self.accelerator.scaler is not None:
             scheduler_state["grad_scaler"] = self.accelerator.scaler.state_dict()
+        adapter_state = self.full_adapter_state() if self.sharded or self.is_main else None
+        optimizer_state, sharded = None, []
+        if self.sharded:  # each process saves its own shard of the optimizer state
+            optimizer_state, sharded = distributed.local_shards(self.optimizer.state_dict())
+        elif self.is_main:
+            optimizer_state = self.optimizer.state_dict()
         return ckpt.save_checkpoint(
-            self.output_dir, self._state(step, tokens_seen),
-            adapter_state=self.bem_model.bem_state_dict() if self.is_main else None,
-            optimizer_state=self.optimizer.state_dict() if self.is_main else None,
-            scheduler_state=scheduler_state, rank=self.accelerator.process_index, is_main=self.is_main,
-            barrier=self.accelerator.wait_for_everyone, keep=self.config.training.save_total_limit)
+            self.output_dir, self._state(step, tokens_seen), adapter_state=adapter_state if self.is_main else None,
+            optimizer_state=optimizer_state, scheduler_state=scheduler_state, rank=self.accelerator.process_index,
+            is_main=self.is_main, barrier=self.accelerator.wait_for_everyone,
+            keep=self.config.training.save_total_limit, sharded=sharded)
 
     def _restore(self, directory: Path) -> ckpt.TrainerState:
-        state, adapter, optimizer_state, scheduler_state = ckpt.load_checkpoint(directory, self.accelerator.process_index)
-        training = self.config.training
-        run_shape = (self.accelerator.num_processes, training.batch_size, training.gradient_accumulation_steps)
-        if (state.world_size, state.batch_size, state.gradient_accumulation_steps) != run_shape:
-            raise ConfigError("training.resume", f"{directory} was written by a run with {state.world_size} processes x "
-                                                 f"batch_size {state.batch_size} x gradient_accumulation_steps "
-                                                 f"{state.gradient_accumulation_steps}; this run has {run_shape[0]} x "
-                                                 f"{run_shape[1]} x {run_shape[2]}, so the data position would not match")
-        self.bem_model.load_bem_state_dict(adapter)  # copy_ casts to each weight's device and dtype
+        ckpt.check_resumable(ckpt.read_trainer_state(directory), self._state(0, 0), directory)
+        state, adapter, optimizer_state, sharded, scheduler_state = ckpt.load_checkpoint(
+            directory, self.accelerator.process_index)
+        # copy_ casts to each weight's device and dtype; under FSDP each process keeps its shard of the file's tensors
+        self.bem_model.load_bem_state_dict(distributed.sharded_like(adapter, self.bem_model.bem_state_dict()))
+        if sharded:
+            optimizer_state = distributed.reshard_optimizer_state(
+                optimizer_state, sharded, distributed.optimizer_parameters(self.optimizer))
         self.optimizer.load_state_dict(optimizer_state)
         self.scheduler.load_state_dict(scheduler_state["scheduler"])
         if self.accelerator.scaler is not None and "grad_scaler" in scheduler_state:
@@ -201,13 +213,21 @@ class Trainer:
         batch_size = self.config.training.eval_batch_size or self.config.training.batch_size
         collate = Collator(self.tokenizer.pad_token_id)
         totals = torch.zeros(2, dtype=torch.float64, device=self.accelerator.device)
+        batches = -(-len(shard) // batch_size)
+        if self.sharded:
+            # FSDP gathers each block's weights in every forward, a collective: each process runs as many
+            # forwards as rank 0, which has the most examples, the missing ones on a batch that is not counted
+            batches = -(-len(self.eval_examples[0::world]) // batch_size)
         self.model.eval()
-        for start in range(0, len(shard), batch_size):
-            batch = {k: v.to(self.accelerator.device) for k, v in collate(shard[start:start + batch_size]).items()}
+        for index in range(batches):
+            examples = shard[index * batch_size:(index + 1) * batch_size]
+            batch = collate(examples or self.eval_examples[:1])
+            batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
             with self.accelerator.autocast():
                 logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            totals[0] += token_loss_sum(logits, batch["labels"]).double()
-            totals[1] += target_token_count(batch["labels"])
+            if examples:
+                totals[0] += token_loss_sum(logits, batch["labels"]).double()
+                totals[1] += target_token_count(batch["labels"])
         self.model.train()
         totals = self.accelerator.reduce(totals, "sum")
         loss = float(totals[0] / totals[1].clamp_min(1))
@@ -252,7 +272,7 @@ class Trainer:
                 elapsed = max(time.perf_counter() - window_start, 1e-9)
                 record = {"step": step, "loss": loss_value, "lr": self.scheduler.get_last_lr()[0],
                           "tokens_per_s": window_tokens / elapsed, "tokens_seen": tokens_seen,
-                          "epoch": step / self.steps_per_epoch}
+                          "epoch": step / self.steps_per_epoch, **self._peak_memory()}
                 if self.is_main:
                     metrics.write(record)
                     if progress is not None:
@@ -276,7 +296,13 @@ class Trainer:
         if step < self.total_steps:
             return TrainResult(None, step, loss_value, None, self.is_main)
         adapter_dir = self.output_dir / "adapter"
-        if self.is_main:
+        if self.sharded:
+            # a normal adapter of full tensors, loadable on one process
+            full = self.full_adapter_state()
+            if self.is_main:
+                with distributed.adapter_state_override(self.bem_model, full):
+                    self.bem_model.save_pretrained(adapter_dir)
+        elif self.is_main:
             self.bem_model.save_pretrained(adapter_dir)
         accelerator.wait_for_everyone()
         self.echo(f"adapter saved to {adapter_dir}")
@@ -295,10 +321,14 @@ class Trainer:
         for index, batch in enumerate(micro_batches):
             last = index == len(micro_batches) - 1
             with contextlib.nullcontext() if last else accelerator.no_sync(self.model):
-                logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                # autocast here as well: under FSDP accelerate does not wrap the forward in it
+                with accelerator.autocast():
+                    logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
                 summed = token_loss_sum(logits, batch["labels"])
                 accelerator.backward(summed * scale)
             loss_sum += summed.detach().double()
+        if self.whole_params:  # what FSDP leaves whole, it does not reduce either
+            distributed.average_gradients(self.whole_params, accelerator.num_processes)
         if self.config.training.max_grad_norm is not None:
             accelerator.clip_grad_norm_(self.params, self.config.training.max_grad_norm)
         self.optimizer.step()
@@ -308,6 +338,15 @@ class Trainer:
         return loss, counts.cpu()
 
     # ------------------------------------------------------------------ output
+    def _peak_memory(self) -> dict[str, Any]:
+        """Each process's peak GPU memory so far, in GiB (a gather: every process calls it); nothing on CPU."""
+        device = self.accelerator.device
+        if device.type != "cuda":
+            return {}
+        peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30], device=device)
+        by_rank = [float(x) for x in self.accelerator.gather(peak).tolist()]
+        return {"peak_memory_gib": max(by_rank), "peak_memory_gib_by_rank": by_rank}
+
     def _metrics_log(self, resume_step: Optional[int]) -> MetricsLog:
         if not self.is_main:
             return MetricsLog(None, None, None)

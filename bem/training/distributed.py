@@ -1,0 +1,186 @@
+"""How several processes share the training: DDP (`training.distributed: ddp`) or FSDP2 (`fsdp`), both
+through accelerate, and the conversions between FSDP's sharded tensors and the full tensors files hold.
+
+Under FSDP every parameter of the wrapped model is a `DTensor` sharded along its first dimension over the
+processes, the frozen base as well as BEM's V and U. The routing controller is the exception: FSDP2 cannot
+shard its 0-dimensional gate temperature, and it is small, so it stays whole on every process (FSDP ignores
+it) and the trainer averages its gradients itself, as DDP would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from .schema import ConfigError, TrainingSection
+
+LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def make_accelerator(training: TrainingSection):
+    """An `Accelerator` set up for `training.distributed`; FSDP is on when more than one process runs."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    plugin = fsdp_plugin(training) if training.distributed == "fsdp" else None
+    # rng_types=[]: the data order comes from EpochSampler alone; accelerate must not reseed anything
+    accelerator = Accelerator(mixed_precision=training.mixed_precision, cpu=training.cpu, rng_types=[],
+                              fsdp_plugin=plugin)
+    state = accelerator.state
+    if plugin is None and state.distributed_type == DistributedType.FSDP:
+        raise ConfigError("training.distributed", "is 'ddp', but the launcher turned FSDP on (accelerate launch "
+                                                  "--use_fsdp, or an accelerate config with FSDP); set "
+                                                  "training.distributed=fsdp, or launch without FSDP")
+    if plugin is not None and state.distributed_type == DistributedType.MULTI_CPU:
+        # accelerate turns FSDP on for accelerators only and drops the plugin of a CPU run with several
+        # processes; its FSDP2 code runs on CPU over gloo as it is, so hand it the plugin here
+        state.distributed_type = DistributedType.FSDP
+        state.fsdp_plugin = plugin
+    if state.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
+        raise ConfigError("training.distributed", f"BEM trains with FSDP2 (fully_shard); accelerate set up FSDP "
+                                                  f"version {state.fsdp_plugin.fsdp_version}: drop fsdp_version from "
+                                                  f"the accelerate config, or set it to 2")
+    return accelerator
+
+
+def fsdp_plugin(training: TrainingSection):
+    """accelerate's FSDP2 plugin: one shard group per decoder block (the model's `_no_split_modules`), one
+    for the embeddings and one for the final norm and output layer, the rest at the root.
+
+    Fixed here, whatever `accelerate config` says: every process builds the whole model before sharding
+    (no rank-0-only loading onto the meta device, which would leave the unsharded controller empty), no
+    CPU offload, and no activation checkpointing by accelerate (`training.gradient_checkpointing` does it,
+    non-reentrant as the controller needs). `reshard_after_forward` still comes from the accelerate config."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mixed_precision = None
+    if training.mixed_precision in LOW_PRECISION:
+        # compute in the low precision (what autocast does under DDP); reduce the adapter's gradients in
+        # float32, as DDP does: they are few, and they update float32 weights
+        mixed_precision = MixedPrecisionPolicy(param_dtype=LOW_PRECISION[training.mixed_precision],
+                                               reduce_dtype=torch.float32)
+    return FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                          mixed_precision_policy=mixed_precision, cpu_ram_efficient_loading=False,
+                                          cpu_offload=False, activation_checkpointing=False)
+
+
+def is_sharded(accelerator) -> bool:
+    return bool(accelerator.is_fsdp2)
+
+
+def keep_whole(accelerator, modules: Sequence[nn.Module]) -> list[nn.Parameter]:
+    """Leave `modules` unsharded under FSDP (moved to the device here, as FSDP moves what it shards);
+    returns their trainable parameters, whose gradients `average_gradients` must reduce."""
+    modules = list(modules)
+    for module in modules:
+        module.to(accelerator.device)
+    accelerator.state.fsdp_plugin.ignored_modules = modules
+    return [p for module in modules for p in module.parameters() if p.requires_grad]
+
+
+def average_gradients(params: Sequence[nn.Parameter], world_size: int) -> None:
+    """Average the gradients of parameters FSDP does not manage over the processes, in one all-reduce.
+    Every process runs the same model code, so the same parameters have gradients on each."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads or world_size == 1:
+        return
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    dist.all_reduce(flat)  # a sum: gloo has no average
+    flat /= world_size
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+
+
+# ---------------------------------------------------------------------- sharded <-> full tensors
+def _dtensor_class() -> Optional[type]:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without distributed support has no sharded tensors either
+        return None
+    return DTensor
+
+
+def full_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with each sharded tensor gathered whole (a collective: every process calls it, in the same order)."""
+    dtensor = _dtensor_class()
+    if dtensor is None:
+        return dict(state)
+    return {key: value.full_tensor() if isinstance(value, dtensor) else value for key, value in state.items()}
+
+
+def sharded_like(full: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`full` with each tensor cut into this process's shard wherever `reference` holds a sharded tensor
+    under the same name (every process holds the full tensor, so no communication)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    dtensor = _dtensor_class()
+    result = {}
+    for key, value in full.items():
+        like = reference.get(key)
+        if dtensor is not None and isinstance(like, dtensor) and not isinstance(value, dtensor):
+            value = distribute_tensor(value.to(device=like.device, dtype=like.dtype), like.device_mesh,
+                                      like.placements, src_data_rank=None)
+        result[key] = value
+    return result
+
+
+@contextlib.contextmanager
+def adapter_state_override(model: nn.Module, state: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Inside the block `model.bem_state_dict()` returns `state`: `save_pretrained` then writes these full
+    tensors instead of this process's shards."""
+    model.__dict__["bem_state_dict"] = lambda: state
+    try:
+        yield
+    finally:
+        del model.__dict__["bem_state_dict"]
+
+
+def local_shards(optimizer_state: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """An optimizer state dict with this process's shard of each sharded tensor, and the names
+    (`<param id>.<name>`) of those tensors."""
+    dtensor = _dtensor_class()
+    sharded: list[str] = []
+    state: dict[int, dict[str, Any]] = {}
+    for param_id, param_state in optimizer_state["state"].items():
+        state[param_id] = {}
+        for name, value in param_state.items():
+            if dtensor is not None and isinstance(value, dtensor):
+                value = value.to_local()
+                sharded.append(f"{param_id}.{name}")
+            state[param_id][name] = value
+    return {"state": state, "param_groups": optimizer_state["param_groups"]}, sharded
+
+
+def reshard_optimizer_state(optimizer_state: dict[str, Any], sharded: Sequence[str],
+                            params: Sequence[nn.Parameter]) -> dict[str, Any]:
+    """The inverse of `local_shards`: wrap each listed local tensor as a shard of the parameter it belongs to
+    (`params` in the optimizer's order, which is what the ids count)."""
+    from torch.distributed.tensor import DTensor
+
+    names = set(sharded)
+    state: dict[int, dict[str, Any]] = {}
+    for param_id, param_state in optimizer_state["state"].items():
+        param = params[int(param_id)]
+        state[param_id] = {}
+        for name, value in param_state.items():
+            if f"{param_id}.{name}" in names:
+                if not isinstance(param, DTensor):
+                    raise ValueError(f"optimizer state {param_id}.{name} was saved sharded, but parameter "
+                                     f"{param_id} of this run is not sharded; resume with training.distributed=fsdp")
+                value = DTensor.from_local(value.to(param.device), param.device_mesh, param.placements,
+                                           shape=param.shape, stride=param.stride())
+            state[param_id][name] = value
+    return {"state": state, "param_groups": optimizer_state["param_groups"]}
+
+
+def optimizer_parameters(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    """The optimizer's parameters in its state dict's numbering (param groups in order)."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
