@@ -114,3 +114,29 @@ def test_sigkill_then_resume_matches_uninterrupted(small_data, uninterrupted, tm
     code = train_main([str(REPO / "configs/tiny.yaml"), *args, "training.resume=latest"])
     assert code == 0
     assert_same_adapter(adapter(uninterrupted / "adapter"), adapter(output_dir / "adapter"))
+
+
+def test_a_checkpoint_is_refused_by_a_run_it_does_not_fit(tmp_path):
+    import dataclasses
+
+    from bem.training import ConfigError
+    from bem.training.checkpoint import TrainerState, check_resumable
+
+    run = TrainerState(step=0, epoch=0, micro_batch_in_epoch=0, tokens_seen=0, world_size=2, batch_size=4,
+                       gradient_accumulation_steps=1, distributed="ddp")
+    check_resumable(dataclasses.replace(run, step=8, epoch=1), run, tmp_path)
+    with pytest.raises(ConfigError, match="training.distributed=fsdp") as sharded:
+        check_resumable(dataclasses.replace(run, distributed="fsdp"), run, tmp_path)
+    assert sharded.value.key == "training.distributed"
+    with pytest.raises(ConfigError, match="1 processes x batch_size 4") as shape:
+        check_resumable(dataclasses.replace(run, world_size=1), run, tmp_path)
+    assert shape.value.key == "training.resume"
+
+
+def test_a_checkpoint_from_before_the_strategy_was_recorded_reads_as_ddp(tmp_path):
+    from bem.training.checkpoint import read_trainer_state
+
+    (tmp_path / "trainer_state.json").write_text(json.dumps(
+        {"step": 4, "epoch": 0, "micro_batch_in_epoch": 4, "tokens_seen": 100, "world_size": 1, "batch_size": 8,
+         "gradient_accumulation_steps": 1}))
+    assert read_trainer_state(tmp_path).distributed == "ddp"
