@@ -10,6 +10,7 @@ it) and the trainer averages its gradients itself, as DDP would.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
@@ -18,6 +19,7 @@ import torch.nn as nn
 from .schema import ConfigError, TrainingSection
 
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+USE_FSDP = "ACCELERATE_USE_FSDP"  # set by `accelerate launch --use_fsdp` (and by accelerate for a plugin)
 
 
 def make_accelerator(training: TrainingSection):
@@ -25,24 +27,24 @@ def make_accelerator(training: TrainingSection):
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
 
+    launcher_fsdp = os.environ.get(USE_FSDP)
+    if (launcher_fsdp or "").lower() == "true" and training.distributed != "fsdp":
+        raise ConfigError("training.distributed", "is 'ddp', but the launcher turned FSDP on (accelerate launch "
+                                                  "--use_fsdp, or an accelerate config with FSDP); set "
+                                                  "training.distributed=fsdp, or launch without FSDP")
     plugin = fsdp_plugin(training) if training.distributed == "fsdp" else None
     # rng_types=[]: the data order comes from EpochSampler alone; accelerate must not reseed anything
     accelerator = Accelerator(mixed_precision=training.mixed_precision, cpu=training.cpu, rng_types=[],
                               fsdp_plugin=plugin)
+    if plugin is not None and launcher_fsdp is None:
+        # accelerate records the plugin in the environment; the next run in this process chooses for itself
+        os.environ.pop(USE_FSDP, None)
     state = accelerator.state
-    if plugin is None and state.distributed_type == DistributedType.FSDP:
-        raise ConfigError("training.distributed", "is 'ddp', but the launcher turned FSDP on (accelerate launch "
-                                                  "--use_fsdp, or an accelerate config with FSDP); set "
-                                                  "training.distributed=fsdp, or launch without FSDP")
     if plugin is not None and state.distributed_type == DistributedType.MULTI_CPU:
         # accelerate turns FSDP on for accelerators only and drops the plugin of a CPU run with several
         # processes; its FSDP2 code runs on CPU over gloo as it is, so hand it the plugin here
         state.distributed_type = DistributedType.FSDP
         state.fsdp_plugin = plugin
-    if state.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2:
-        raise ConfigError("training.distributed", f"BEM trains with FSDP2 (fully_shard); accelerate set up FSDP "
-                                                  f"version {state.fsdp_plugin.fsdp_version}: drop fsdp_version from "
-                                                  f"the accelerate config, or set it to 2")
     return accelerator
 
 
