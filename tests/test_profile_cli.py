@@ -116,6 +116,12 @@ def test_from_report_writes_the_re_gated_report(tmp_path):
     assert rechecked["max_overhead"] == 0.25 and rechecked["verdict"] == "pass" and validate_report(rechecked) == []
 
 
+def test_a_schema_1_report_is_refused_with_the_reason(tmp_path, capsys):
+    old = {"kind": "bem-profile", "schema_version": 1, "settings": [], "max_overhead": 0.15, "failed": [], "passed": True}
+    assert main(["--from-report", str(_write(tmp_path, old)), "--quiet"]) == 2
+    assert "expected 2, got 1 (a report from before intervals; measure again)" in capsys.readouterr().err
+
+
 def test_ungated_kinds_never_fail(tmp_path):
     report = synthetic_report([setting("prefill b1 s8", "prefill", BASE, [b * 1.05 for b in BASE]),
                                setting("train b1 s8", "train", BASE, [b * 3 for b in BASE], gated=False)])

@@ -141,9 +141,11 @@ def _log(args: argparse.Namespace) -> Log:
     return (lambda _: None) if args.quiet else (lambda line: print(line, file=sys.stderr))
 
 
-def _paths(args: argparse.Namespace, config: ProfileConfig, suffix: str = "") -> tuple[Path, Path]:
+def _paths(config: ProfileConfig, json: Optional[Path] = None, png: Optional[Path] = None,
+           suffix: str = "") -> tuple[Path, Path]:
+    """The report's and chart's paths: as given, else <output_dir>/<name><suffix>.json / .png."""
     out = Path(config.output_dir)
-    return (args.json or out / f"{config.name}{suffix}.json", args.png or out / f"{config.name}{suffix}.png")
+    return json or out / f"{config.name}{suffix}.json", png or out / f"{config.name}{suffix}.png"
 
 
 def _profile(args: argparse.Namespace, config: ProfileConfig) -> int:
@@ -151,7 +153,7 @@ def _profile(args: argparse.Namespace, config: ProfileConfig) -> int:
 
     log = _log(args)
     report = run_profile(config, log=log)
-    json_path, png_path = _paths(args, config)
+    json_path, png_path = _paths(config, args.json, args.png)
     return _finish(report, json_path, png_path, log=log)
 
 
@@ -232,7 +234,7 @@ def _sweep(args: argparse.Namespace) -> int:
     def keep(entry: SweepEntry, report: dict) -> Path:
         from .table import format_table
 
-        json_path, png_path = _paths(argparse.Namespace(json=None, png=None), entry.config)
+        json_path, png_path = _paths(entry.config)
         if not args.quiet:
             print(format_table(report), file=sys.stderr)
         write_outputs(report, json_path, png_path, log)
@@ -254,7 +256,7 @@ def _kernels(args: argparse.Namespace, config: ProfileConfig) -> int:
     report = run_kernel_benchmark(config.kernels, resolve_device(config.device), repeats=config.timing.min_repeats,
                                   seed=config.seed, gpu_warmup_seconds=config.timing.gpu_warmup_seconds)
     print(format_kernel_table(report))
-    json_path, _ = _paths(args, config, suffix="_kernels")
+    json_path, _ = _paths(config, args.json, suffix="_kernels")
     atomic_write_json(json_path, report)
     if not args.quiet:
         print(f"report: {json_path}", file=sys.stderr)
