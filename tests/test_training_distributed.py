@@ -36,3 +36,25 @@ def test_the_fsdp_plugin_shards_per_block_and_reduces_in_float32(precision, comp
         assert policy is None
     else:
         assert policy.param_dtype == getattr(torch, compute) and policy.reduce_dtype == torch.float32
+
+
+def test_kept_transposes_are_dropped_before_an_evaluation_under_fsdp():
+    """FSDP refills a gathered V in place without bumping its version; a V^T kept from before would be read."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from bem import HierarchicalBEMConfig, create_hierarchical_bem
+    from bem.training.distributed import forget_kept_transposes
+
+    base = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                        num_hidden_layers=1, num_attention_heads=4,
+                                                        num_key_value_heads=2))
+    model = create_hierarchical_bem(base, HierarchicalBEMConfig(rank=4))
+    _, layer = model.bem_modules()[0]
+    V = layer.bem_V
+    kept = layer._v_t.get(V).clone()
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(V):
+        V.add_(1.0)  # as an all-gather refills the weight: same address, same version
+    assert torch.equal(layer._v_t.get(V), kept)  # the stale copy that must not be read
+    forget_kept_transposes(model)
+    assert torch.equal(layer._v_t.get(V), V.detach().t())

@@ -101,6 +101,18 @@ def average_gradients(params: Sequence[nn.Parameter], world_size: int) -> None:
         offset += grad.numel()
 
 
+def forget_kept_transposes(model: nn.Module) -> None:
+    """Drop each BEM layer's kept V^T (the inference kernels' copy, kept until V's version counter or
+    address changes). FSDP refills a gathered weight in place without bumping its version, at an address
+    the allocator may well hand out again, so a copy kept at one evaluation could be read at the next,
+    after optimizer steps. Within one evaluation the weights do not change, and the copy stays good."""
+    from ..kernels.ops import TransposeKeeper
+
+    for _, module in model.bem_modules():
+        if isinstance(getattr(module, "_v_t", None), TransposeKeeper):
+            module._v_t = TransposeKeeper()
+
+
 # ---------------------------------------------------------------------- sharded <-> full tensors
 def _dtensor_class() -> Optional[type]:
     try:

@@ -218,6 +218,8 @@ class Trainer:
             # FSDP gathers each block's weights in every forward, a collective: each process runs as many
             # forwards as rank 0, which has the most examples, the missing ones on a batch that is not counted
             batches = -(-len(self.eval_examples[0::world]) // batch_size)
+        if self.sharded:
+            distributed.forget_kept_transposes(self.bem_model)
         self.model.eval()
         for index in range(batches):
             examples = shard[index * batch_size:(index + 1) * batch_size]
