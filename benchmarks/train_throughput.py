@@ -179,7 +179,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                       _gib(memory["bem"]["peak_bytes"]), _gib(memory["lora"]["peak_bytes"]),
                       "n/a" if row["memory_vs_lora"] is None else f"{row['memory_vs_lora']:.3f}",
                       str(row["repeats"]), row["note"]])
-    lines = columns(table)
+    lines = columns(table, left=2)
     described = {row["setup"]: row.get("setup_description") for row in rows if "error" not in row}
     lines += [f"{name}: {text}" for name, text in described.items()]
     confidence = next((row["confidence"] for row in rows if "error" not in row), None)

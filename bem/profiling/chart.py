@@ -1,5 +1,5 @@
-"""PNG chart of the overhead per setting: BEM and LoRA over the base with their intervals as error bars,
-BEM's bar coloured by its verdict, the gate drawn as a line."""
+"""PNG chart of the overhead per setting: BEM and LoRA over the base with their intervals as error bars
+(hatched where an interval is unbounded), BEM's bar coloured by its verdict, the gate drawn as a line."""
 
 from __future__ import annotations
 
@@ -12,14 +12,23 @@ BEM, FAIL, UNDECIDED, LORA = "#2b6cb0", "#c53030", "#dd6b20", "#a0aec0"
 COLOR_BY_VERDICT = {"fail": FAIL, "undecided": UNDECIDED}
 
 
-def _bar_and_error(point, interval) -> tuple[float, list[float]]:
-    """Bar height (%) and its [below, above] error in points; an unbounded end is drawn to the bar."""
+def _bar_and_error(point, interval) -> tuple[float, list[float], bool]:
+    """Bar height (%), its [below, above] error in points, and whether the interval is unbounded (then no
+    error bar: the bar is hatched instead)."""
     value = 0.0 if point is None else 100 * point
     if interval is None:
-        return value, [0.0, 0.0]
-    low = value if interval["low"] is None else 100 * interval["low"]
-    high = value if interval["high"] is None else 100 * interval["high"]
-    return value, [max(0.0, value - low), max(0.0, high - value)]
+        return value, [0.0, 0.0], False
+    if interval["low"] is None or interval["high"] is None:
+        return value, [0.0, 0.0], True
+    return value, [max(0.0, value - 100 * interval["low"]), max(0.0, 100 * interval["high"] - value)], False
+
+
+def _bars(axes, positions, bars, width, colors) -> None:
+    containers = axes.bar(positions, [v for v, _, _ in bars], width, color=colors,
+                          yerr=list(zip(*[e for _, e, _ in bars])), capsize=3)
+    for patch, (_, _, unbounded) in zip(containers.patches, bars):
+        if unbounded:
+            patch.set_hatch("//")
 
 
 def write_chart(report: dict[str, Any], path: Union[str, Path]) -> None:
@@ -42,17 +51,14 @@ def write_chart(report: dict[str, Any], path: Union[str, Path]) -> None:
     try:
         offset = width / 2 if has_lora else 0.0
         colors = [COLOR_BY_VERDICT.get(s["verdict"], BEM) for s in settings]
-        axes.bar([p - offset for p in positions], [v for v, _ in bem], width, color=colors,
-                 yerr=list(zip(*[e for _, e in bem])), capsize=3)
-        handles = [Patch(color=BEM, label="BEM")]
-        if FAIL in colors:
-            handles.append(Patch(color=FAIL, label="BEM, above the gate beyond the noise"))
-        if UNDECIDED in colors:
-            handles.append(Patch(color=UNDECIDED, label="BEM, undecided"))
+        _bars(axes, [p - offset for p in positions], bem, width, colors)
+        labels = {BEM: "BEM", FAIL: "BEM, above the gate beyond the noise", UNDECIDED: "BEM, undecided"}
+        handles = [Patch(color=color, label=label) for color, label in labels.items() if color in colors]
         if has_lora:
-            axes.bar([p + offset for p in positions], [v for v, _ in lora], width, color=LORA,
-                     yerr=list(zip(*[e for _, e in lora])), capsize=3)
+            _bars(axes, [p + offset for p in positions], lora, width, [LORA] * len(lora))
             handles.append(Patch(color=LORA, label="PEFT LoRA"))
+        if any(unbounded for _, _, unbounded in bem + lora):
+            handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="interval unbounded"))
         handles.append(axes.axhline(100 * report["max_overhead"], color=FAIL, linestyle="--", linewidth=1,
                                     label=f"gate {100 * report['max_overhead']:.0f}%"))
         axes.axhline(0.0, color="black", linewidth=0.6)

@@ -139,13 +139,14 @@ def format_sweep_table(summary: dict[str, Any]) -> str:
         rows.append([row["config"], row["setting"], row["unit"], num(row["base"]), num(row["bem"]), num(row["lora"]),
                      with_interval(row["bem_overhead"], row["interval"]), str(row["repeats"]),
                      VERDICT_LABELS[row["verdict"]]])
-    lines = columns(rows)
+    lines = columns(rows, left=2)
     for config in summary["configs"]:
         if config["error"] is not None:
             lines.append(f"error: {config['name']}: {config['error']}")
     for row in summary["rows"]:
         if row["verdict"] in (FAIL, UNDECIDED):
             lines.append(f"{VERDICT_LABELS[row['verdict']]}: {row['config']} {row['setting']}: {row['verdict_reason']}")
-    lines.append(f"sweep verdict: {summary['verdict']} ({len(summary['configs'])} configs, "
+    count = len(summary["configs"])
+    lines.append(f"sweep verdict: {summary['verdict']} ({count} config{'s' * (count != 1)}, "
                  f"{sum(c['error'] is not None for c in summary['configs'])} not measured)")
     return "\n".join(lines)

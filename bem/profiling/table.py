@@ -36,12 +36,12 @@ def with_half_width(point: Optional[float], interval: Optional[dict]) -> str:
     return f"{pct(point)} ±{50 * (interval['high'] - interval['low']):.1f}"
 
 
-def columns(rows: list[list[str]]) -> list[str]:
-    """Left-align the first column, right-align the others, rule under the header."""
+def columns(rows: list[list[str]], left: int = 1) -> list[str]:
+    """Left-align the first `left` columns (names), right-align the others, rule under the header."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     out = []
     for index, row in enumerate(rows):
-        out.append("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+        out.append("  ".join(cell.ljust(w) if i < left else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
         if index == 0:
             out.append("  ".join("-" * w for w in widths))
     return out
