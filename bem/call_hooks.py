@@ -154,13 +154,20 @@ class CallHooks:
             else:
                 out = self.controller.step(hidden, routing, call.padding_mask, out_dtype=dtype)
         self.context.set_codes(out.codes)
-        self.last_levels = out.levels
+        if not torch.compiler.is_compiling():
+            # kept for routing_stats(); a compiled call would have to return them, and tensors it returns that
+            # live on past the call hold on to its CUDA graphs' memory
+            self.last_levels = out.levels
         call.set_part(ROUTING, out.state)
         call.codes_ready = True
         return None
 
     def _after_model(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
         call, self.call = self.call, None
+        if call is not None and not torch.is_grad_enabled():
+            # the codes served this call only; a backward's recompute (activation checkpointing) would need
+            # them, but no backward follows an inference call
+            self.context.codes = None
         if call is None or not call.new_parts:
             return None
         cache = call_inputs.returned_cache(output)

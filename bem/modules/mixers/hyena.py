@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ...kernels import fftconv as fftconv_ops
+from ...kernels.fftconv import dispatch as fftconv_ops
 from .short_conv import CausalShortConv
 from .state import MixerState
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...kernels import mlstm as mlstm_ops
+from ...kernels.mlstm import dispatch as mlstm_ops
 from .short_conv import CausalShortConv
 from .state import MixerState
 
