@@ -18,6 +18,7 @@ import os
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -84,17 +85,28 @@ def launch(root: Path, output_dir: Path, *extra: str, crash_after: int = 0) -> s
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
-def crash_then_resume(root: Path, output_dir: Path, strategy: str, *extra: str) -> None:
-    """A run that loses process 1 after step 7 (its last checkpoint is step 4), then resumes to the end.
-    What the interrupted run logged and left is kept beside the run for the tests."""
-    crashed = launch(root, output_dir, f"training.distributed={strategy}", *extra, crash_after=CRASH_AFTER)
-    assert crashed.returncode != 0, f"the run was meant to lose process 1 after step {CRASH_AFTER}"
-    (output_dir / "crashed_metrics.jsonl").write_text((output_dir / "metrics.jsonl").read_text())
-    left = sorted(p.name for p in (output_dir / "checkpoints").iterdir())
-    (output_dir / "crashed_left.json").write_text(json.dumps(left + ["adapter"] * (output_dir / "adapter").exists()))
-    resumed = launch(root, output_dir, f"training.distributed={strategy}", "training.resume=latest", *extra)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert f"resuming from {output_dir / 'checkpoints' / f'step-{SAVE_EVERY:08d}'}" in resumed.stdout
+def side_by_side(root: Path, runs: dict[str, Path], *extra: str,
+                 crash_after: int = 0) -> dict[str, subprocess.CompletedProcess]:
+    """`launch` for each strategy -> output dir of `runs` at once: each spends much of its time starting up."""
+    with ThreadPoolExecutor(len(runs)) as pool:
+        futures = {strategy: pool.submit(launch, root, output_dir, f"training.distributed={strategy}", *extra,
+                                         crash_after=crash_after) for strategy, output_dir in runs.items()}
+        return {strategy: future.result() for strategy, future in futures.items()}
+
+
+def crash_then_resume(root: Path, runs: dict[str, Path], *extra: str) -> None:
+    """For each strategy -> output dir of `runs`: a run that loses process 1 after step 7 (its last checkpoint
+    is step 4), then resumes to the end. What the interrupted run logged and left is kept beside it."""
+    for strategy, crashed in side_by_side(root, runs, *extra, crash_after=CRASH_AFTER).items():
+        output_dir = runs[strategy]
+        assert crashed.returncode != 0, f"{strategy}: the run was meant to lose process 1 after step {CRASH_AFTER}"
+        (output_dir / "crashed_metrics.jsonl").write_text((output_dir / "metrics.jsonl").read_text())
+        left = sorted(p.name for p in (output_dir / "checkpoints").iterdir())
+        left += ["adapter"] if (output_dir / "adapter").exists() else []
+        (output_dir / "crashed_left.json").write_text(json.dumps(left))
+    for strategy, resumed in side_by_side(root, runs, *extra, "training.resume=latest").items():
+        assert resumed.returncode == 0, f"{strategy}: {resumed.stderr[-4000:]}"
+        assert f"resuming from {runs[strategy] / 'checkpoints' / f'step-{SAVE_EVERY:08d}'}" in resumed.stdout
 
 
 def losses(output_dir: Path, name: str = "metrics.jsonl") -> list[tuple[int, str, float]]:
@@ -134,11 +146,16 @@ def one_process(root) -> Path:
     return output_dir
 
 
-@pytest.fixture(scope="module", params=["ddp", "fsdp"])
-def run(request, root) -> tuple[str, Path]:
-    strategy = request.param
-    crash_then_resume(root, root / strategy, strategy)
-    return strategy, root / strategy
+@pytest.fixture(scope="module")
+def runs(root) -> dict[str, Path]:
+    runs = {strategy: root / strategy for strategy in ("ddp", "fsdp")}
+    crash_then_resume(root, runs)
+    return runs
+
+
+@pytest.fixture(params=["ddp", "fsdp"])
+def run(request, runs) -> tuple[str, Path]:
+    return request.param, runs[request.param]
 
 
 def test_a_crash_leaves_the_complete_checkpoints_only(run):
@@ -237,7 +254,7 @@ def test_two_gpus_with_nccl(strategy, root, tmp_path):
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert single.returncode == 0, single.stderr[-4000:]
     two = tmp_path / "two"
-    crash_then_resume(root, two, strategy, on_gpu)
+    crash_then_resume(root, {strategy: two}, on_gpu)
     crashed = dict(((s, k), x) for s, k, x in losses(two, "crashed_metrics.jsonl"))
     resumed = dict(((s, k), x) for s, k, x in losses(two))
     lost = [(s, "loss") for s in range(SAVE_EVERY + 1, CRASH_AFTER)]
@@ -251,3 +268,18 @@ def test_two_gpus_with_nccl(strategy, root, tmp_path):
     records = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
     peaks = [r["peak_memory_gib_by_rank"] for r in records if "loss" in r]
     assert peaks and all(len(p) == 2 and min(p) > 0 for p in peaks)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_fsdp_tracks_ddp_in_bf16_on_two_gpus(root, tmp_path):
+    """The 1B config's precision: a bfloat16 base under bf16 mixed precision, float32 adapter weights. FSDP
+    computes with gathered bf16 weights where DDP autocasts, so the two agree to bf16's precision only."""
+    bf16 = ("training.cpu=false", "model.dtype=bfloat16", "training.mixed_precision=bf16")
+    for strategy, done in side_by_side(root, {s: tmp_path / s for s in ("ddp", "fsdp")}, *bf16).items():
+        assert done.returncode == 0, f"{strategy}: {done.stderr[-4000:]}"
+    ddp, fsdp = losses(tmp_path / "ddp"), losses(tmp_path / "fsdp")
+    assert [x for _, _, x in fsdp] == pytest.approx([x for _, _, x in ddp], rel=2e-2)
+    saved = adapter(tmp_path / "fsdp" / "adapter")
+    assert {t.dtype for t in saved.values()} == {torch.float32}
+    assert_same(adapter(tmp_path / "fsdp" / "rank0.safetensors"), adapter(tmp_path / "fsdp" / "rank1.safetensors"))

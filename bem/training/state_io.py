@@ -12,7 +12,8 @@ import torch
 from ..io_utils import atomic_save_safetensors, atomic_write_json
 
 
-def save_optimizer_state(state: dict[str, Any], tensors_path: Path, json_path: Path, sharded: Sequence[str] = ()) -> None:
+def save_optimizer_state(state: dict[str, Any], tensors_path: Path, json_path: Path,
+                         sharded: Sequence[str] = ()) -> None:
     """Split `optimizer.state_dict()` into its tensors (safetensors) and everything else (JSON). `sharded` names
     the tensors (`<param id>.<name>`) that are one process's shard of a larger tensor (FSDP), recorded as such."""
     tensors: dict[str, torch.Tensor] = {}
