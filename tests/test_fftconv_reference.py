@@ -162,7 +162,7 @@ def test_bad_step_operands_are_refused_naming_them(change, error, message):
 
 # ---- the op surface on the CPU: dispatch, fake ops, the spectrum cache ----
 
-from bem.kernels import fftconv as fftconv_ops  # noqa: E402
+from bem.kernels.fftconv import dispatch as fftconv_ops  # noqa: E402
 from bem.kernels.fftconv import custom_ops, dispatch  # noqa: E402
 
 
