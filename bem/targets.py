@@ -27,6 +27,11 @@ _GPT_NEOX = {
     "attention": r".*\.attention\.dense",
     "qkv": r".*\.attention\.query_key_value",
 }
+_PHI3 = {  # fused projections: gate and up in one linear, q, k and v in another
+    "mlp": r".*\.mlp\.(gate_up_proj|down_proj)",
+    "attention": r".*\.self_attn\.o_proj",
+    "qkv": r".*\.self_attn\.qkv_proj",
+}
 _BERT = {
     "mlp": r".*\.layer\.\d+\.(intermediate\.dense|output\.dense)",
     "attention": r".*\.attention\.output\.dense",
@@ -39,7 +44,8 @@ _DISTILBERT = {
 }
 
 ATTACH_POINTS: dict[str, dict[str, str]] = {
-    **{name: _LLAMA_LIKE for name in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "gemma", "gemma2", "phi3")},
+    **{name: _LLAMA_LIKE for name in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "gemma", "gemma2")},
+    "phi3": _PHI3,
     "gpt2": _GPT2,
     "gpt_neox": _GPT_NEOX,
     **{name: _BERT for name in ("bert", "roberta", "xlm-roberta", "electra", "camembert")},

@@ -36,7 +36,9 @@ config["train"]["enabled"] = False
 config["kernels"]["run_with_profile"] = False
 config["output_dir"] = out
 config["decode"]["eager"] = "--compiled-only" not in sys.argv
-config["timing"]["repeats"] = int(__import__("os").environ.get("REPEATS", config["timing"]["repeats"]))
+repeats = __import__("os").environ.get("REPEATS")
+if repeats:
+    config["timing"]["min_repeats"] = config["timing"]["max_repeats"] = int(repeats)
 yaml.safe_dump(config, open(f"{out}/{name}_decode.yaml", "w"))
 PY
     timeout 420 python3 profile.py --config "$OUT/${config}_decode.yaml" --output-dir "$OUT" >"$OUT/$config.log" 2>&1

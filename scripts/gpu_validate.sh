@@ -48,8 +48,8 @@ for what in "$@"; do
         env PYTHONPATH=. python3 scripts/ncu_kernels.py ;;
     errors) step kernel_errors 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_kernel_errors.py ;;
     profile) step profile 300 python3 profile.py --config configs/profile_llama_1b.yaml --output-dir "$OUT" ;;
-    train) step train 300 python3 benchmarks/train_throughput.py --config configs/train_llama_1b.yaml \
-        --steps 6 --warmup 2 --rounds 2 --json "$OUT/train.json" ;;
+    train) step train 300 python3 benchmarks/train_throughput.py --config configs/profile_llama_1b.yaml \
+        --json "$OUT/train.json" ;;
     bench) step bench 480 python3 -m bem.kernels.bench --json "$OUT/bench.json" ;;
     breakdown) step breakdown 300 env PYTHONPATH=. python3 scripts/decode_breakdown.py ;;
     prefill-breakdown) step prefill_breakdown 300 env PYTHONPATH=. python3 scripts/prefill_breakdown.py \
