@@ -168,3 +168,12 @@ def test_print_config_shows_defaults(tmp_path, capsys):
     assert printed["training"]["seed"] == 7
     assert printed["training"]["gradient_accumulation_steps"] == 1  # a default, filled in
     assert printed["bem"]["chunk_size"] == 16
+
+
+def test_fsdp_names_the_torch_it_needs(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch, "__version__", "2.6.0+cpu")
+    with pytest.raises(ConfigError, match=r"training.distributed: fsdp needs torch >= 2.7.*2.6.0"):
+        load_train_config(write_config(tmp_path), ["training.distributed=fsdp"])
+    load_train_config(write_config(tmp_path), ["training.distributed=ddp"])

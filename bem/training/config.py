@@ -150,9 +150,25 @@ def check_environment(config: TrainConfig) -> None:
     if config.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("logging.tensorboard", "is true but the tensorboard package is not installed "
                                                  "(pip install tensorboard, or set it to false)")
+    if config.training.distributed == "fsdp":
+        _check_fsdp_support()
     resume = config.training.resume
     if resume not in (None, "latest") and not Path(resume).is_dir():
         raise ConfigError("training.resume", f"checkpoint directory not found: {resume} (or use 'latest')")
+
+
+# FSDP2 leaving some parameters unsharded (`ignored_params`): BEM keeps the controller whole
+FSDP_MIN_TORCH = (2, 7)
+
+
+def _check_fsdp_support() -> None:
+    import torch
+
+    release = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if release < FSDP_MIN_TORCH:
+        raise ConfigError("training.distributed", f"fsdp needs torch >= {'.'.join(map(str, FSDP_MIN_TORCH))} "
+                                                  f"(FSDP2 with the routing controller left unsharded); this is "
+                                                  f"torch {torch.__version__}: upgrade torch, or use ddp")
 
 
 def _check_data_path(key: str, path: Path) -> None:
