@@ -31,11 +31,13 @@ from bem.training.trainer import train
 REPO = Path(__file__).resolve().parent.parent
 STEPS, SAVE_EVERY, CRASH_AFTER = 8, 4, 7
 
-# `bem train` (what `-m bem train` runs), which also writes each process's full adapter at the end; with
-# CRASH_AFTER_STEP set, process 1 kills itself after that step, as a crash would, and the launcher ends the run
+# `bem train` (what `-m bem train` runs), which also writes each process's full adapter at the end and how
+# much of the model's parameters the process holds; with CRASH_AFTER_STEP set, process 1 kills itself after
+# that step, as a crash would, and the launcher ends the run
 DRIVER = """
-import os, signal, sys
+import json, os, signal, sys
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
 from bem.training import trainer as trainer_module
 from bem.training.cli import train_main
 
@@ -50,6 +52,11 @@ def train_and_write_each_adapter(self, stop_at_step=None):
     result = run_to_the_end(self, stop_at_step=stop_at_step)
     full = {key: value.contiguous() for key, value in self.full_adapter_state().items()}
     save_file(full, str(self.output_dir / f"rank{rank}.safetensors"))
+    params = list(self.model.parameters())
+    held = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    record = {"numel": sum(p.numel() for p in params), "held": sum(p.numel() for p in held),
+              "frozen_sharded": all(isinstance(p, DTensor) for p in params if not p.requires_grad)}
+    (self.output_dir / f"rank{rank}.json").write_text(json.dumps(record))
     return result
 
 trainer_module.Trainer.train = train_and_write_each_adapter
@@ -200,6 +207,16 @@ def test_every_kind_of_adapter_weight_trains(run):
     for prefix in ("modules.", "controller.", "saved.lm_head."):
         names = [k for k in end if k.startswith(prefix)]
         assert names and any(not torch.equal(middle[k], end[k]) for k in names), prefix
+
+
+def test_fsdp_shards_the_frozen_base_as_well(run):
+    strategy, output_dir = run
+    for rank in (0, 1):
+        record = json.loads((output_dir / f"rank{rank}.json").read_text())
+        if strategy == "ddp":
+            assert record["held"] == record["numel"] and not record["frozen_sharded"]
+        else:  # about half of everything; the controller is whole on each process
+            assert record["frozen_sharded"] and record["held"] < 0.6 * record["numel"]
 
 
 def test_the_saved_adapter_loads_on_one_process(run):
