@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 
 import yaml
 
-from ..config import HierarchicalBEMConfig, closest_name
+from ..config import MIXERS, HierarchicalBEMConfig, closest_name
 from .statistics import repeats_needed
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -105,6 +105,10 @@ class ProfileConfig:
     bem: dict[str, Any] = field(default_factory=lambda: {
         "rank": 8, "alpha": 16.0, "attach_mlp": True, "attach_attention": True, "attach_qkv": True})
     lora: bool = True
+    # mixer settings: the prefill and eager decoding settings again with BEM plus each mixer kind listed here
+    # (HierarchicalBEMConfig's mixer_* fields from `bem`); informative rows, never gated (a mixer is a layer
+    # added on purpose, not overhead)
+    mixers: list[str] = field(default_factory=list)
     prefill: PrefillSpec = field(default_factory=PrefillSpec)
     decode: DecodeSpec = field(default_factory=DecodeSpec)
     train: TrainSpec = field(default_factory=TrainSpec)
@@ -117,8 +121,11 @@ class ProfileConfig:
     def __post_init__(self) -> None:
         validate(self)
 
-    def bem_config(self) -> HierarchicalBEMConfig:
-        return HierarchicalBEMConfig.from_dict(dict(self.bem))
+    def bem_config(self, mixer: Optional[str] = None) -> HierarchicalBEMConfig:
+        fields = dict(self.bem)
+        if mixer is not None:
+            fields["mixer"] = mixer
+        return HierarchicalBEMConfig.from_dict(fields)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -203,6 +210,10 @@ def validate(config: ProfileConfig) -> None:
     _validate_model(config.model)
     if not isinstance(config.bem, dict):
         raise ProfileConfigError(f"bem must be a mapping of HierarchicalBEMConfig fields, got {config.bem!r}")
+    if not isinstance(config.mixers, list):
+        raise ProfileConfigError(f"mixers must be a list of mixer kinds (hyena, mlstm), got {config.mixers!r}")
+    for kind in config.mixers:
+        _choice("mixers[]", kind, MIXERS)
     try:
         config.bem_config()
     except ValueError as err:

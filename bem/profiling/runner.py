@@ -23,8 +23,13 @@ PerRepeat = Callable[[dict[str, list[float]]], dict[str, list[float]]]  # sample
 
 
 class Profiler:
-    def __init__(self, config: ProfileConfig, variants: Variants, device: torch.device, log: Log) -> None:
+    """Times the settings of one set of variants. With a `label` (a mixer setting), each setting's name
+    carries it and no setting is gated."""
+
+    def __init__(self, config: ProfileConfig, variants: Variants, device: torch.device, log: Log,
+                 label: Optional[str] = None) -> None:
         self.config, self.variants, self.device, self.log = config, variants, device, log
+        self.label = label
         self.clock = Clock(device)
         self.vocab = vocab_size(variants.base)
         self.pad_token_id = getattr(variants.base.config, "pad_token_id", None) or 0
@@ -126,8 +131,10 @@ class Profiler:
         samples, stop_reason, seconds = self._time(runs, per_repeat)
         values = per_repeat(samples)
         problem = self._per_token_problem(values) if unit == "ms/token" else None
+        name = name if self.label is None else f"{name} [{self.label}]"
+        gated = kind in self.config.gate and self.label is None
         setting = make_setting(name, kind, shape, unit, values, samples, memory() if memory else None,
-                               gated=kind in self.config.gate, confidence=self.config.timing.confidence,
+                               gated=gated, confidence=self.config.timing.confidence,
                                stop_reason=stop_reason, seconds=seconds, problem=problem)
         self.settings.append(setting)
         self.log(f"    {setting['repeats']} repeats ({stop_reason}, {seconds:.1f} s)")
@@ -164,6 +171,8 @@ def run_profile(config: ProfileConfig, log: Log = print) -> dict[str, Any]:
             profiler.decode(batch, compiled=True)
     if config.train.enabled:
         profiler.train()
+    for kind in config.mixers:
+        profiler.settings += mixer_settings(config, base, kind, device, log)
     kernels = None
     if config.kernels.run_with_profile:
         from .kernels import run_kernel_benchmark
@@ -190,6 +199,23 @@ def run_profile(config: ProfileConfig, log: Log = print) -> dict[str, Any]:
         "passed": False,
     }
     return apply_gate(report, config.max_overhead)
+
+
+def mixer_settings(config: ProfileConfig, base: torch.nn.Module, kind: str, device: torch.device,
+                   log: Log) -> list[dict[str, Any]]:
+    """The prefill and eager decoding settings with BEM plus `kind` mixers in BEM's place (ungated rows)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        variants = build_variants(base, config.bem_config(mixer=kind), config.lora)
+    label = f"+{kind}"
+    log(f"measuring BEM {label}:")
+    profiler = Profiler(config, variants, device, log, label=label)
+    for batch, length in config.prefill.shapes:
+        profiler.prefill(batch, length)
+    for batch in config.decode.batch_sizes:
+        profiler.decode(batch)
+    del variants
+    return profiler.settings
 
 
 def timing_summary(config: ProfileConfig, clock: Clock, device: torch.device) -> dict[str, Any]:
