@@ -37,7 +37,9 @@ class _Sin(nn.Module):
 class ImplicitFilter(nn.Module):
     """h[c, t] = MLP(pos(t))[c] * exp(-|delta_c| t / max_length), t in [0, max_length)."""
 
-    def __init__(self, channels: int, max_length: int, features: int = 16, width: int = 64) -> None:
+    def __init__(self, channels: int, max_length: int, features: int = 33, width: int = 64) -> None:
+        # 33 features: t and 16 sine/cosine bands, as Hyena's positional encoding has; with 7 bands the filter
+        # was too smooth to single out one lag (the recall experiment's Hyena stayed at chance)
         super().__init__()
         self.max_length = max_length
         self.bands = (features - 1) // 2
@@ -95,11 +97,19 @@ class HyenaMixer(nn.Module):
         q, k, v = z.split(self.dim, dim=1)
         u = k * v if real is None else k * v * real
         if state is None:
-            y = fftconv_ops.fftconv(u, self.filter(T), self.D, postgate=q, use_fused=self.use_fused_kernels)
+            y = self._long_conv(u, self.filter(T), q)
             new_state = self._first_state(u, tail) if want_state else None
         else:
             y, new_state = self._continue(u, q, tail, state)
         return y.transpose(1, 2), new_state
+
+    def _long_conv(self, u: torch.Tensor, taps: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """q ⊙ (conv(u, taps) + D ⊙ u). Off CUDA in float64: an FFT's rounding grows with the length and the
+        values, and the CPU path is the one whose cached decoding must match the full forward to 1e-5."""
+        if u.is_cuda:
+            return fftconv_ops.fftconv(u, taps, self.D, postgate=q, use_fused=self.use_fused_kernels)
+        exact = fftconv_ops.fftconv(u.double(), taps.double(), self.D.double(), postgate=q.double(), use_fused=False)
+        return exact.to(u.dtype)
 
     def _first_state(self, u: torch.Tensor, tail: torch.Tensor) -> MixerState:
         B, _, T = u.shape
@@ -128,12 +138,13 @@ class HyenaMixer(nn.Module):
         T, L = u.shape[-1], self.max_length
         where = position + torch.arange(T, device=u.device)
         history.index_copy_(2, where, u.to(history.dtype))
+        acc = torch.float32 if u.is_cuda else torch.float64  # as `_long_conv`
         if T == 1:
             lag = position - torch.arange(L, device=u.device)  # t - s for every kept s
-            reversed_taps = torch.where(lag >= 0, taps.to(torch.float32)[:, lag.clamp(min=0)], 0.0)  # (dim, L)
-            conv = (history.to(torch.float32) * reversed_taps).sum(-1, keepdim=True)  # (B, dim, 1)
+            reversed_taps = torch.where(lag >= 0, taps.to(acc)[:, lag.clamp(min=0)], 0.0)  # (dim, L)
+            conv = (history.to(acc) * reversed_taps).sum(-1, keepdim=True)  # (B, dim, 1)
         else:
-            whole = fftconv_ops.fftconv(history, taps, use_fused=self.use_fused_kernels)
-            conv = whole.index_select(2, where).to(torch.float32)
-        y = q.to(torch.float32) * (conv + self.D.to(torch.float32)[:, None] * u.to(torch.float32))
+            whole = fftconv_ops.fftconv(history.to(acc), taps.to(acc), use_fused=self.use_fused_kernels and u.is_cuda)
+            conv = whole.index_select(2, where).to(acc)
+        y = q.to(acc) * (conv + self.D.to(acc)[:, None] * u.to(acc))
         return y.to(u.dtype)
