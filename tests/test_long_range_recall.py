@@ -5,6 +5,7 @@ to recall the key (scripts/long_range_recall.py, shortened)."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _script():
     spec = importlib.util.spec_from_file_location("long_range_recall", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
     spec.loader.exec_module(module)
     return module
 

@@ -68,20 +68,29 @@ class MLSTMMixer(nn.Module):
             igate = torch.where(keep, igate, torch.full_like(igate, PAD_INPUT))
             fgate = torch.where(keep, fgate, torch.full_like(fgate, PAD_FORGET))
         memory = None if state is None else (state.rows["C"], state.rows["n"], state.rows["m"])
-        if memory is not None and T == 1:
-            h, memory = mlstm_ops.mlstm_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], igate[:, :, 0], fgate[:, :, 0],
-                                             memory, use_fused=self.use_fused_kernels)
-            h = h[:, :, None]
-        else:
-            out = mlstm_ops.mlstm(q, k, v, igate, fgate, initial_state=memory, return_last_state=want_state,
-                                  use_fused=self.use_fused_kernels)
-            h, memory = out if want_state else (out, None)
+        h, memory = self._memory(q, k, v, igate, fgate, memory, want_state)
         y = self._head_norm(h).transpose(1, 2).reshape(B, T, self.dim) * torch.sigmoid(self.out_gate(x))
         new_state = None
         if want_state:
             C, n, m = memory
             new_state = MixerState({"C": C, "n": n, "m": m, "conv_tail": tail})
         return y, new_state
+
+    def _memory(self, q, k, v, igate, fgate, memory, want_state: bool):
+        """h (B, NH, T, DH) in q's dtype and the memory after the tokens (None unless wanted). Off CUDA in
+        float64 (the memory too): the parallel form inside chunks and the recurrent step round differently, and
+        the CPU path is the one whose cached decoding must match the full forward to 1e-5."""
+        dtype = q.dtype
+        if not q.is_cuda:
+            q, k, v, igate, fgate = (t.double() for t in (q, k, v, igate, fgate))
+        if memory is not None and q.shape[2] == 1:
+            h, memory = mlstm_ops.mlstm_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], igate[:, :, 0], fgate[:, :, 0],
+                                             memory, use_fused=self.use_fused_kernels)
+            return h[:, :, None].to(dtype), memory
+        out = mlstm_ops.mlstm(q, k, v, igate, fgate, initial_state=memory, return_last_state=want_state,
+                              use_fused=self.use_fused_kernels)
+        h, memory = out if want_state else (out, None)
+        return h.to(dtype), memory
 
     def _head_norm(self, h: torch.Tensor) -> torch.Tensor:
         """RMS norm over each head's channels, then a learned scale per channel."""
