@@ -242,3 +242,24 @@ def test_mixers_without_routing_still_follow_the_cache(kind, load_base):
     step = model(input_ids=ids[:, 5:6], **{CACHE_KEYWORD: returned_cache(out)}, use_cache=True)
     assert (step.logits[:, -1] - full[:, 5]).abs().max().item() < 1e-5
     assert generated.shape == (2, 9)
+
+
+@pytest.mark.parametrize("kind", MIXERS)
+def test_generate_compiles_the_decoding_step_of_a_model_with_mixers(kind, load_base):
+    """Static cache plus generate's compiled step (forced on the CPU, traced in one graph): the mixers' decode
+    states advance in place at fixed addresses, and the tokens and logits are those of eager decoding."""
+    from transformers import CompileConfig
+
+    torch._dynamo.reset()
+    model = randomized(create_hierarchical_bem(load_base("llama"), mixer_config(kind)), seed=17)
+    ids = random_ids(2, 6, seed=18)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True, output_logits=True)
+    eager = model.generate(ids, **kwargs)
+    config = CompileConfig(backend="aot_eager", fullgraph=True)
+    config._compile_all_devices = True
+    compiled = model.generate(ids, cache_implementation="static", compile_config=config, **kwargs)
+    assert torch.equal(compiled.sequences, eager.sequences)
+    assert (torch.stack(compiled.logits) - torch.stack(eager.logits)).abs().max().item() < 1e-5
