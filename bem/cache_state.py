@@ -16,6 +16,7 @@ a later call that continues the cropped cache is refused instead of routed with 
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
@@ -113,6 +114,41 @@ class CacheState:
             self.empty = True
             return self
         return None
+
+
+class PinnedStates:
+    """The pinned states of one model's static caches, kept for the next static cache to reuse.
+
+    `generate` makes a new static cache each call. If each one's BEM state were new tensors, their addresses
+    would differ from call to call, and the CUDA graphs of the compiled decoding step, which read the state at
+    the addresses they were recorded with, would be recorded again. A state is reused only once the cache it
+    belonged to is gone or no longer carries it, so two static caches alive at once never share tensors."""
+
+    def __init__(self, limit: int = 4) -> None:
+        self.limit = limit
+        self.entries: list[tuple[weakref.ref, CacheState]] = []
+
+    @staticmethod
+    def _free(owner: weakref.ref, state: CacheState) -> bool:
+        cache = owner()
+        return cache is None or get_state(cache) is not state
+
+    def claim(self, cache: Any, parts: dict[str, CarriedState], seen_tokens: Optional[int]) -> Optional[CacheState]:
+        """A free pinned state of `parts`' layout, now owned by `cache` and holding `parts`; None if none."""
+        for index, (owner, state) in enumerate(self.entries):
+            if self._free(owner, state) and state.can_take(parts):
+                state.take(parts, seen_tokens)
+                self.entries[index] = (weakref.ref(cache), state)
+                return state
+        return None
+
+    def add(self, cache: Any, state: CacheState) -> None:
+        if len(self.entries) >= self.limit:
+            free = [i for i, (owner, kept) in enumerate(self.entries) if self._free(owner, kept)]
+            if not free:
+                return  # every kept state is in use: this one is not kept for reuse
+            del self.entries[free[0]]
+        self.entries.append((weakref.ref(cache), state))
 
 
 def get_state(cache: Any) -> Optional[CacheState]:

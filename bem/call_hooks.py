@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from . import cache_state, call_inputs
-from .cache_state import CacheState, CarriedState
+from .cache_state import CacheState, CarriedState, PinnedStates
 from .modules.bem_linear import RoutingContext
 from .modules.controller import HierarchicalController
 
@@ -67,6 +67,7 @@ class CallHooks:
         self.pending_side_signals: Optional[torch.Tensor] = None
         self.generate_masks = call_inputs.MaskSlot()
         self.last_levels: Optional[dict] = None
+        self.pinned_states = PinnedStates()
         self._positional_names = [
             name for name, parameter in inspect.signature(model.forward).parameters.items()
             if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)
@@ -184,9 +185,13 @@ class CallHooks:
         # CUDA graphs' memory (a static cache's first call should run eagerly, as transformers' generate does)
         if in_place and kept is not None and kept.pinned and kept.can_take(call.new_parts):
             kept.take(call.new_parts, seen)
-        else:
+            return None
+        pinnable = in_place and not torch.compiler.is_compiling()
+        state = self.pinned_states.claim(cache, call.new_parts, seen) if pinnable else None
+        if state is None:
             state = CacheState(call.new_parts, seen, in_place=in_place)
-            if in_place and not torch.compiler.is_compiling():
+            if pinnable:
                 state.pin()
-            cache_state.set_state(cache, state)
+                self.pinned_states.add(cache, state)
+        cache_state.set_state(cache, state)
         return None
