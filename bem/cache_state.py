@@ -124,7 +124,9 @@ class PinnedStates:
     the addresses they were recorded with, would be recorded again. A state is reused only once the cache it
     belonged to is gone or no longer carries it, so two static caches alive at once never share tensors."""
 
-    def __init__(self, limit: int = 4) -> None:
+    # Two: a caller that keeps the previous generate's output holds its cache while the next one starts, so
+    # two states alternate. A mixer's state can be large (Hyena keeps each row's history), so no more are kept.
+    def __init__(self, limit: int = 2) -> None:
         self.limit = limit
         self.entries: list[tuple[weakref.ref, CacheState]] = []
 
