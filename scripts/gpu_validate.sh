@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Whole-project run on a CUDA machine: build the extension once, then the requested steps, each with
 # its own time limit and log under $OUT; a one-line summary per step is printed last.
-# Usage: bash scripts/gpu_validate.sh [probe] [errors] [kernel-tests] [gpu-tests] [profile] [train] [breakdown] [prefill-breakdown]
+# Usage: bash scripts/gpu_validate.sh [probe] [errors] [kernel-tests] [gpu-tests] [mixer-tests] [mixer-errors]
+#        [fftconv-bench] [mlstm-bench] [sweep] [profile] [train] [breakdown] [prefill-breakdown]
 #        [bench] [bench-shapes] [mode-sweep] [conv1d-sweep] [backward-sweep] [sass] [ncu] [cpu-tests]   (bench-shapes reads
 #        BENCH_SHAPES, e.g. 1x4096x4096x8,...; the sweeps read SWEEP_SHAPES the same way, or sweep their
 #        default shapes; prefill-breakdown reads BREAKDOWN_MODEL: llama-1b or gpt2)
@@ -47,6 +48,16 @@ for what in "$@"; do
         --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section LaunchStats \
         env PYTHONPATH=. python3 scripts/ncu_kernels.py ;;
     errors) step kernel_errors 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_kernel_errors.py ;;
+    # the mixers' kernels from the whole extension (built above with the system compiler); the tests that make
+    # the bindings throw run in a process of their own, so that a crash there cannot take the others' results
+    mixer-tests) step mixer_tests ${MIXER_TESTS_LIMIT:-300} python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+        --tb=short -o faulthandler_timeout=120 tests/gpu/test_fftconv.py tests/gpu/test_mlstm.py \
+        -k "not refuse and not bad_operands" ;;
+    mixer-errors) step mixer_errors 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
+        tests/gpu/test_fftconv.py tests/gpu/test_mlstm.py -k "refuse or bad_operands" ;;
+    fftconv-bench) step fftconv_bench ${BENCH_LIMIT:-240} python3 -m bem.kernels.bench --fftconv --json "$OUT/fftconv_bench.json" ;;
+    mlstm-bench) step mlstm_bench ${BENCH_LIMIT:-300} python3 -m bem.kernels.bench --mlstm --json "$OUT/mlstm_bench.json" ;;
+    sweep) step sweep ${SWEEP_LIMIT:-540} python3 profile.py --sweep --output-dir "$OUT" ;;
     profile) step profile 300 python3 profile.py --config configs/profile_llama_1b.yaml --output-dir "$OUT" ;;
     train) step train 300 python3 benchmarks/train_throughput.py --config configs/profile_llama_1b.yaml \
         --json "$OUT/train.json" ;;
