@@ -187,9 +187,16 @@ def test_extreme_gates_no_nan(dtype, gates):
     h, last = kernel(q, k, v, i, f, return_last_state=True)
     assert torch.isfinite(h).all() and all(torch.isfinite(t).all() for t in last)
     grads = torch.autograd.grad(h.float().square().sum(), (q, k, v, i, f))
-    assert all(torch.isfinite(g_).all() for g_ in grads)
-    with torch.no_grad():
-        h_ref, _ = ref64(q, k, v, i, f)
+    # Gates this extreme make some true gradients larger than float16 can hold (1e8-3e9 against 65504, in a
+    # float64 check of these distributions): there the dtype's answer is inf. NaN is never right, and a
+    # gradient the dtype can hold must come out finite.
+    h_ref, _ = ref64(q, k, v, i, f)
+    grads_ref = torch.autograd.grad(h_ref.square().sum(), (q, k, v, i, f))
+    for name, got, want in zip(("dq", "dk", "dv", "digate", "dfgate"), grads, grads_ref):
+        assert not torch.isnan(got).any(), name
+        representable = want.abs() < torch.finfo(dtype).max / 2
+        assert torch.isfinite(got[representable]).all(), name
+    h_ref = h_ref.detach()
     # what the dtype can hold at all (outputs near 1e-13 underflow in float16) plus bf16-level error
     floor = (h_ref - h_ref.to(dtype).double()).norm()
     assert (h.double() - h_ref).norm() <= 0.02 * h_ref.norm() + 2 * floor
