@@ -4,6 +4,8 @@
     python benchmarks/train_throughput.py --sweep                     # the configs of `profile.py --sweep`
     python benchmarks/train_throughput.py --sweep smollm_135m,gpt2
     python benchmarks/train_throughput.py                             # the tiny CPU profile: a smoke run
+    python benchmarks/train_throughput.py --processes 2 --config configs/profile_llama_1b.yaml --setups autocast
+                                                                      # DDP and FSDP on 2 GPUs (train_multiprocess.py)
 
 Per config, the base model of its `model` section is built once in bf16 (random weights), and per setup
 (`train_setups.SETUPS`: bf16 parameters without autocast; fp32 adapters under bf16 autocast) it is
@@ -59,7 +61,19 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute the frozen base in backward")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), help="default: the config's device")
     parser.add_argument("--json", type=Path, help="also write the rows here")
-    return parser.parse_args(argv)
+    parser.add_argument("--processes", type=int, default=1,
+                        help="above 1: train under `accelerate launch` with this many processes (one per GPU), with "
+                             "each of --strategies, and once with one process (train_multiprocess.py)")
+    parser.add_argument("--strategies", default="ddp,fsdp", help="with --processes: comma-separated, of ddp, fsdp")
+    # set by the launches of --processes: this process is one of them
+    parser.add_argument("--worker", choices=("one", "ddp", "fsdp"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.processes < 1:
+        parser.error(f"--processes must be at least 1, got {args.processes}")
+    if args.processes > 1 and args.sweep is not None:
+        parser.error("--processes takes one --config, not --sweep")
+    return args
 
 
 def load_configs(args: argparse.Namespace) -> list[tuple[str, ProfileConfig]]:
@@ -189,11 +203,35 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def main_processes(args: argparse.Namespace, configs: list[tuple[str, ProfileConfig]], setups: list[Setup]) -> int:
+    """--processes N: the one-process launch and one launch per strategy, BEM and LoRA in each; one table."""
+    import train_multiprocess
+
+    if args.worker is not None:
+        if len(setups) != 1:
+            raise ProfileConfigError("a launched worker takes one setup")
+        return train_multiprocess.worker_main(args, configs[0][1])
+    try:
+        train_multiprocess.strategies(args.strategies)
+    except ValueError as err:
+        raise ProfileConfigError(str(err)) from None
+    config_arg = None if args.config is None else str(args.config)
+    rows = train_multiprocess.measure(Path(__file__).resolve(), config_arg, [s.name for s in setups], args)
+    print(train_multiprocess.format_table(rows))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"kind": KIND + "-processes", "config": configs[0][0], "rows": rows},
+                                        indent=2) + "\n")
+    return 1 if any("error" in row for row in rows) else 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     try:
         configs = load_configs(args)
         setups = chosen_setups(args.setups)
+        if args.processes > 1 or args.worker is not None:
+            return main_processes(args, configs, setups)
     except ProfileConfigError as err:
         print(f"train_throughput: {err}", file=sys.stderr)
         return 2

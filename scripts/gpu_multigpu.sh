@@ -76,5 +76,11 @@ for name, gpus in (("one", 1), ("ddp", 2), ("fsdp", 2)):
           f"{records[0]['loss']:>16.4f}{records[-1]['loss']:>10.4f}")
 PY
 
+# BEM against PEFT LoRA under the same launches: one GPU, then two with DDP and with FSDP
+timeout 900 python3 benchmarks/train_throughput.py --processes 2 --config configs/profile_llama_1b.yaml \
+    --setups autocast --batch-size 4 --seq-len 2048 --gradient-checkpointing --json "$OUT/processes.json" \
+    >"$OUT/processes.log" 2>&1
+echo "throughput against LoRA: exit $?"; tail -12 "$OUT/processes.log"
+
 timeout 600 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_training_multiprocess.py >"$OUT/gpu_tests.log" 2>&1
 echo "two-GPU tests: exit $?"; tail -15 "$OUT/gpu_tests.log"

@@ -68,3 +68,38 @@ def test_bad_setups_and_configs_exit_2(capsys):
     assert "--setups takes names of bf16, autocast" in capsys.readouterr().err
     assert bench.main(["--sweep", "nope"]) == 2
     assert "no profile config named 'nope'" in capsys.readouterr().err
+
+
+def test_two_processes_under_fsdp_against_one_for_bem_and_lora(tmp_path, capsys):
+    """`--processes 2`: the one-process launch and an FSDP launch of two processes (gloo), BEM and LoRA in each."""
+    out = tmp_path / "processes.json"
+    assert bench.main(["--processes", "2", "--strategies", "fsdp", "--setups", "bf16", "--device", "cpu",
+                       "--batch-size", "2", "--seq-len", "16", "--repeats", "2", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["strategy"], r["processes"], r["variant"]) for r in rows] == [
+        ("one", 1, "bem"), ("one", 1, "lora"), ("fsdp", 2, "bem"), ("fsdp", 2, "lora")]
+    by = {(r["strategy"], r["variant"]): r for r in rows}
+    for row in rows:
+        assert "error" not in row and row["setup"] == "bf16" and row["repeats"] == 2 and len(row["step_ms"]) == 2
+        assert row["tokens_per_s"] == pytest.approx(row["tokens_per_s_per_process"] * row["processes"])
+        assert row["peak_bytes_by_process"] is None  # CPU
+        assert all(torch.isfinite(torch.tensor(row["losses"])))
+    assert by["one", "bem"]["per_process_vs_one"] == 1.0
+    assert by["fsdp", "bem"]["bem_vs_lora"] == pytest.approx(
+        by["fsdp", "bem"]["tokens_per_s"] / by["fsdp", "lora"]["tokens_per_s"])
+    for variant in ("bem", "lora"):
+        # process 0 draws the same first batch and builds the same model in both launches
+        assert by["fsdp", variant]["losses"][0] == pytest.approx(by["one", variant]["losses"][0], abs=1e-2)
+    assert any(line.split()[:4] == ["bf16", "fsdp", "2", "bem"] for line in table.splitlines())
+
+
+def test_bad_process_settings_are_refused(capsys):
+    assert bench.main(["--processes", "2", "--strategies", "zero"]) == 2
+    assert "--strategies takes names of ddp, fsdp, got 'zero'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--processes", "0"])
+    assert "--processes must be at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--processes", "2", "--sweep"])
+    assert "--processes takes one --config" in capsys.readouterr().err
