@@ -65,6 +65,7 @@ class CallHooks:
         self.stateful_blocks = stateful_blocks  # blocks besides the controller that keep a decode state
         self.call: Optional[CallState] = None
         self.pending_side_signals: Optional[torch.Tensor] = None
+        self.side_signals_follow_expansion = False  # inside generate: a row's copies share its side signal
         self.generate_masks = call_inputs.MaskSlot()
         self.last_levels: Optional[dict] = None
         self.pinned_states = PinnedStates()
@@ -129,9 +130,19 @@ class CallHooks:
         config_use_cache = getattr(getattr(module, "config", None), "use_cache", False)
         want_state = bool(use_cache if use_cache is not None else config_use_cache)
         capacity = cache.get_max_length() if getattr(cache, "is_compileable", False) else None
-        self.call = CallState(mask, state, want_state, self.pending_side_signals, new_tokens,
+        self.call = CallState(mask, state, want_state, self._side_signals(batch), new_tokens,
                               capacity if isinstance(capacity, int) and capacity > 0 else None)
         return None
+
+    def _side_signals(self, batch: int) -> Optional[torch.Tensor]:
+        """The side signals of this call's rows. generate repeats each row of its input (by
+        max(num_beams, num_return_sequences) in current transformers, or as a GenerationConfig says); each
+        copy takes its row's signal. A count that fits no such repeat is left for the controller to refuse."""
+        side = self.pending_side_signals
+        if (side is None or not self.side_signals_follow_expansion or side.dim() != 2 or side.shape[0] == 0
+                or batch == side.shape[0] or batch % side.shape[0]):
+            return side
+        return side.repeat_interleave(batch // side.shape[0], 0)
 
     def _before_first_block(self, module: nn.Module, args: tuple, kwargs: dict):
         call = self.call

@@ -202,15 +202,14 @@ class BEMModel(nn.Module):
     def generate(self, *args: Any, side_signals: Optional[torch.Tensor] = None, **kwargs: Any) -> Any:
         """`base_model.generate` with BEM active; BEM's state rides along with the KV cache. Every cache
         implementation works (dynamic, static, and generate's compiled decoding of static caches)."""
-        if side_signals is not None:
-            beams = int(kwargs.get("num_beams", 1)) * int(kwargs.get("num_return_sequences", 1) or 1)
-            side_signals = side_signals.repeat_interleave(beams, 0) if beams > 1 else side_signals
         self._hooks.pending_side_signals = side_signals
+        self._hooks.side_signals_follow_expansion = True  # generate repeats rows for beams and samples
         try:
             with capture_generate_masks(self.base_model, self._hooks.generate_masks):
                 return self.base_model.generate(*args, **kwargs)
         finally:
             self._hooks.pending_side_signals = None
+            self._hooks.side_signals_follow_expansion = False
 
     def __getattr__(self, name: str) -> Any:
         try:

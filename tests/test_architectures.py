@@ -268,3 +268,33 @@ def test_autocast_and_fp32_adapters_on_a_bf16_base_match_the_upcast_reference(lo
     with torch.no_grad():
         plain = model(input_ids=ids).logits  # no autocast: adapters in fp32, base in bf16
     assert (out.logits.float() - plain.float()).abs().max() < 0.15 * plain.float().abs().max()
+
+
+@pytest.mark.parametrize("options", [
+    dict(num_beams=3, num_return_sequences=2, do_sample=False),
+    dict(do_sample=True, num_return_sequences=3),
+    "generation_config",
+], ids=["beams", "samples", "generation_config"])
+def test_side_signals_follow_generate_expanding_the_batch(options, load_base):
+    """generate repeats each row for beams or samples (by max(num_beams, num_return_sequences), or as a passed
+    GenerationConfig says): each copy gets its row's side signal, so a row generates what it generates alone."""
+    from transformers import GenerationConfig
+
+    model = create_hierarchical_bem(load_base("llama"), small_config(side_signal_dim=3))
+    randomize_bem(model, seed=19)
+    ids = random_ids(2, 6, seed=20)
+    signals = torch.randn(2, 3, generator=torch.Generator().manual_seed(21))
+    if options == "generation_config":
+        kwargs = dict(generation_config=GenerationConfig(num_beams=2, num_return_sequences=2, max_new_tokens=4,
+                                                         pad_token_id=0))
+    else:
+        kwargs = dict(options, max_new_tokens=4, pad_token_id=0)
+    torch.manual_seed(0)
+    both = model.generate(ids, side_signals=signals, **kwargs)
+    copies = both.shape[0] // 2
+    for row in range(2):
+        torch.manual_seed(0)
+        alone = model.generate(ids[row:row + 1], side_signals=signals[row:row + 1], **kwargs)
+        assert alone.shape[0] == copies
+        if not (isinstance(options, dict) and options.get("do_sample")):  # sampling: one random stream per batch
+            assert torch.equal(both[row * copies:(row + 1) * copies], alone), row
