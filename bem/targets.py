@@ -43,8 +43,13 @@ _DISTILBERT = {
     "qkv": r".*\.attention\.(q_lin|k_lin|v_lin)",
 }
 
+# Models named as Llama is (their MLP's gate/up/down and self_attn's q/k/v/o linears). Mixtral's experts are fused
+# parameters, not linears: only its attention projections are attach points (attach_mlp must be off).
+_LLAMA_NAMED = ("llama", "mistral", "ministral", "qwen2", "qwen3", "mixtral", "gemma", "gemma2", "gemma3_text",
+                "smollm3", "olmo2", "olmo3", "granite", "cohere", "helium", "exaone4", "seed_oss", "apertus", "arcee")
+
 ATTACH_POINTS: dict[str, dict[str, str]] = {
-    **{name: _LLAMA_LIKE for name in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "gemma", "gemma2")},
+    **{name: _LLAMA_LIKE for name in _LLAMA_NAMED},
     "phi3": _PHI3,
     "gpt2": _GPT2,
     "gpt_neox": _GPT_NEOX,
@@ -87,6 +92,19 @@ def _model_type(model: nn.Module) -> Optional[str]:
     return getattr(config, "model_type", None)
 
 
+def _check_each_point_matches(model: nn.Module, model_type: str, attach: dict[str, str], points: list[str]) -> None:
+    """An attach point that is on but finds no linear in this model is an error, not a silent no-op (Mixtral's
+    experts, say, are fused parameters in current transformers, so `attach_mlp` has nothing to wrap there)."""
+    names = [name for name, module in model.named_modules() if name and _is_wrappable(module)]
+    for point in points:
+        if not any(re.fullmatch(attach[point], name) for name in names):
+            raise ValueError(
+                f"attach_{point} is on, but this {model_type} model has no {point} linear that BEM can wrap (it "
+                f"wraps nn.Linear and Conv1D layers; expected names like {attach[point]!r}); set attach_{point}="
+                f"False, or choose modules with target_modules"
+            )
+
+
 def plan_targets(model: nn.Module, config: HierarchicalBEMConfig) -> TargetPlan:
     """Names of the modules to wrap, or a ValueError that says why none match."""
     model_type = _model_type(model)
@@ -101,6 +119,7 @@ def plan_targets(model: nn.Module, config: HierarchicalBEMConfig) -> TargetPlan:
             )
         points = [p for p, on in (("mlp", config.attach_mlp), ("attention", config.attach_attention),
                                   ("qkv", config.attach_qkv)) if on]
+        _check_each_point_matches(model, model_type, attach, points)
         selector = "|".join(f"(?:{attach[p]})" for p in points)
 
     names, rejected = [], []
