@@ -48,6 +48,20 @@ def linear_features(layer: nn.Module) -> tuple[int, int]:
     raise TypeError(f"BEM wraps nn.Linear and transformers Conv1D layers, not {type(layer).__name__}")
 
 
+ADAPTER_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def adapter_dtype(layer: nn.Module) -> torch.dtype:
+    """The dtype of a layer's adapter weights: its weight's, or for a weight stored otherwise (a quantized layer's
+    int8, uint8 or float8) the dtype the layer computes in (`compute_dtype`, as bitsandbytes' layers say), else
+    float32."""
+    dtype = layer.weight.dtype
+    if dtype in ADAPTER_DTYPES:
+        return dtype
+    compute = getattr(layer, "compute_dtype", None)
+    return compute if compute in ADAPTER_DTYPES else torch.float32
+
+
 class BEMLinear(nn.Module):
     """Wraps a frozen `base_layer`; only `bem_V` (K x r) and `bem_U` (N x r) are trainable."""
 
@@ -76,7 +90,12 @@ class BEMLinear(nn.Module):
         self.has_dropout = dropout > 0
         self.is_conv1d = isinstance(base_layer, Conv1D)
         weight = base_layer.weight
-        factory = {"device": weight.device, "dtype": weight.dtype}
+        # A layer whose forward is its own (a quantized linear that dequantizes, a subclass that computes something
+        # else) is called as it is, with the update added; BEM's kernels multiply by the weight only of a layer
+        # that is nn.Linear's or Conv1D's own product of a floating-point weight.
+        self.owns_product = (type(base_layer).forward in (nn.Linear.forward, Conv1D.forward)
+                             and weight.dtype in ADAPTER_DTYPES)
+        factory = {"device": weight.device, "dtype": adapter_dtype(base_layer)}
         self.bem_V = nn.Parameter(torch.empty(in_features, rank, **factory))
         self.bem_U = nn.Parameter(torch.zeros(out_features, rank, **factory))
         self.reset_bem_parameters()
@@ -95,6 +114,9 @@ class BEMLinear(nn.Module):
         weight = self.base_layer.weight
         if not weight.dtype.is_floating_point or weight.device.type == "meta":
             raise ValueError(f"{self.name}: cannot merge into a {weight.dtype} weight on {weight.device}")
+        if not self.owns_product:
+            raise ValueError(f"{self.name}: cannot merge into a {type(self.base_layer).__name__}, whose forward is its "
+                             f"own (its {weight.dtype} weight is not what it multiplies by)")
 
     def merge_into_base(self) -> None:
         """Add the update with every code one, s U V^T, to the base weight (computed in float32)."""
@@ -118,7 +140,7 @@ class BEMLinear(nn.Module):
             return self._forward_autocast(x, codes)
         params = self._parameters
         V = params["bem_V"]
-        if x.dtype != V.dtype or (self.has_dropout and self.training):
+        if x.dtype != V.dtype or (self.has_dropout and self.training) or not self.owns_product:
             return self._forward_base_plus_update(x, codes, V.dtype)
         if codes is not None and codes.dtype != V.dtype:
             codes = codes.to(V.dtype)
@@ -145,7 +167,7 @@ class BEMLinear(nn.Module):
         V, U and codes are cast (e.g. fp32 adapter weights on a bf16 base), never x or W."""
         dtype = torch.get_autocast_dtype(x.device.type)
         weight = self.base_layer.weight
-        if x.dtype == dtype and weight.dtype == dtype and not (self.has_dropout and self.training):
+        if x.dtype == dtype and weight.dtype == dtype and not (self.has_dropout and self.training) and self.owns_product:
             codes = None if codes is None else codes.to(dtype)
             with torch.autocast(x.device.type, enabled=False):
                 return self._fused(x, self.bem_V.to(dtype), codes, self.bem_U.to(dtype))
