@@ -411,6 +411,11 @@ def create_hierarchical_bem(model: nn.Module, config: Optional[HierarchicalBEMCo
         raise ValueError("this model is already wrapped with BEM")
     if any(isinstance(m, BEMLinear) for m in model.modules()):
         raise ValueError("this model already contains BEM modules")
+    peft_layers = sorted({type(m).__name__ for m in model.modules() if type(m).__module__.startswith("peft.")})
+    if peft_layers:
+        # BEM would wrap the linears PEFT left alone and skip the ones it adapted: two adapters, half each
+        raise ValueError(f"this model holds PEFT modules ({', '.join(peft_layers[:4])}); wrap the base model itself "
+                         f"(PEFT's get_base_model() after unload(), or merge_and_unload() to keep a LoRA's update)")
     config = config or HierarchicalBEMConfig()
     if not isinstance(config, HierarchicalBEMConfig):
         raise TypeError(f"config must be a HierarchicalBEMConfig, got {type(config).__name__}")

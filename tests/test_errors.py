@@ -44,6 +44,16 @@ def test_wrapping_twice_is_rejected(load_base):
         create_hierarchical_bem(torch.nn.Linear(2, 2), {"rank": 2})
 
 
+def test_a_model_holding_peft_adapters_is_refused(load_base):
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(load_base("llama"), LoraConfig(r=2, target_modules=["q_proj", "up_proj"]))
+    with pytest.raises(ValueError, match=r"this model holds PEFT modules \(.*Linear.*\); wrap the base model"):
+        create_hierarchical_bem(lora, HierarchicalBEMConfig(rank=2))
+    with pytest.raises(ValueError, match="holds PEFT modules"):
+        create_hierarchical_bem(lora.get_base_model(), HierarchicalBEMConfig(rank=2))  # its layers are still PEFT's
+
+
 def test_wrong_input_shapes_are_named(load_base):
     model = create_hierarchical_bem(load_base("llama"), HierarchicalBEMConfig(rank=2))
     with pytest.raises(ValueError, match=r"input_ids must have shape \(batch, sequence\), got \(7,\)"):
