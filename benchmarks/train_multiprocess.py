@@ -149,15 +149,21 @@ def _trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 def _wrap(variant: str, base: torch.nn.Module, config) -> torch.nn.Module:
-    from bem.profiling.models import _lora_peer
-    from bem import create_hierarchical_bem
-    import copy
+    """`base` wrapped in place (no copy: a second base would count in the variant's memory)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers.pytorch_utils import Conv1D
 
+    from bem import create_hierarchical_bem
+    from bem.targets import plan_targets
+
+    bem_config = config.bem_config()
     if variant == "bem":
-        return create_hierarchical_bem(base, config.bem_config())
-    # LoRA on the same linears as BEM: found on a throwaway BEM of a copy (its names only)
-    names_from = create_hierarchical_bem(copy.deepcopy(base), config.bem_config())
-    return _lora_peer(base, names_from, config.bem_config())
+        return create_hierarchical_bem(base, bem_config)
+    names = plan_targets(base, bem_config).names  # the linears BEM wraps, at BEM's rank and alpha
+    fan_in_fan_out = any(isinstance(base.get_submodule(name), Conv1D) for name in names)
+    return get_peft_model(base, LoraConfig(r=bem_config.rank, lora_alpha=bem_config.alpha,
+                                           lora_dropout=bem_config.dropout, target_modules=names,
+                                           fan_in_fan_out=fan_in_fan_out, bias="none"))
 
 
 def _run_variant(variant: str, accelerator, config, setup, strategy: str, batches: list[torch.Tensor],
@@ -173,6 +179,7 @@ def _run_variant(variant: str, accelerator, config, setup, strategy: str, batche
 
         enable_gradient_checkpointing(base)
     model = _wrap(variant, base, config)
+    del base
     set_trainable_dtype(model, setup.adapter_dtype)
     model.train()
     whole: list[torch.nn.Parameter] = []
@@ -231,7 +238,7 @@ def _run_variant(variant: str, accelerator, config, setup, strategy: str, batche
         "losses": losses, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
     accelerator.free_memory(model, optimizer)
-    del model, optimizer, base
+    del model, optimizer
     return record
 
 
