@@ -4,6 +4,7 @@ model's arguments, so the Trainer keeps the batch's keys; BEMTrainer's checkpoin
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 
 import pytest
@@ -54,12 +55,17 @@ def test_trainer_updates_bem_and_leaves_the_base_frozen(checkpointing, load_base
     torch.manual_seed(0)
     model = create_hierarchical_bem(load_base("llama"), HierarchicalBEMConfig(rank=4))
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    # transformers 5.24 renamed the argument (the old name warns)
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    keyword = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=4,
                              learning_rate=1e-2, save_strategy="no", report_to=[], use_cpu=True,
-                             disable_tqdm=True, gradient_checkpointing=checkpointing)
+                             disable_tqdm=True, **{keyword: checkpointing})
     trainer = Trainer(model=model, args=args, train_dataset=_Batches(), eval_dataset=_Batches())
     result = trainer.train()
     assert result.global_step == 4 and torch.isfinite(torch.tensor(result.training_loss))
+    on = getattr(model.base_model, "is_activation_checkpointing", None)
+    assert (on if on is not None else model.base_model.is_gradient_checkpointing) == checkpointing
     assert trainer.label_names == ["labels"]  # read from BEMModel's forward, as from the base model's
     assert torch.isfinite(torch.tensor(trainer.evaluate()["eval_loss"]))
     changed = {name for name, p in model.named_parameters() if not torch.equal(p, before[name])}
