@@ -167,7 +167,8 @@ class BEMLinear(nn.Module):
         V, U and codes are cast (e.g. fp32 adapter weights on a bf16 base), never x or W."""
         dtype = torch.get_autocast_dtype(x.device.type)
         weight = self.base_layer.weight
-        if x.dtype == dtype and weight.dtype == dtype and not (self.has_dropout and self.training) and self.owns_product:
+        plain = self.owns_product and not (self.has_dropout and self.training)
+        if x.dtype == dtype and weight.dtype == dtype and plain:
             codes = None if codes is None else codes.to(dtype)
             with torch.autocast(x.device.type, enabled=False):
                 return self._fused(x, self.bem_V.to(dtype), codes, self.bem_U.to(dtype))
