@@ -85,9 +85,11 @@ def test_op_shape_mismatches_are_named():
         ops.bem_linear(x, torch.randn(8, 5), None, V, None, U, 1.0)
 
 
-def test_loading_problems_are_named(load_base, tmp_path):
+def test_loading_problems_are_named(load_base, tmp_path, pretrained_dirs):
     with pytest.raises(FileNotFoundError, match="adapter_config.json is missing"):
         BEMModel.from_pretrained(load_base("llama"), tmp_path)
+    with pytest.raises(FileNotFoundError, match="this folder holds a model, with its config.json"):
+        BEMModel.from_pretrained(load_base("llama"), pretrained_dirs["llama"])  # the base, not an adapter
     (tmp_path / "adapter_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="is not valid JSON"):
         BEMModel.from_pretrained(load_base("llama"), tmp_path)
