@@ -13,6 +13,10 @@ export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_
 export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
 SUMMARY=()
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+if ls .whl/mlstm_kernels-*.whl >/dev/null 2>&1; then  # TFLA for the mLSTM benchmark, when its wheel was carried
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/mlstm_site .whl/mlstm_kernels-*.whl \
+    && export PYTHONPATH=/tmp/mlstm_site${PYTHONPATH:+:$PYTHONPATH}
+fi
 
 start=$(date +%s)
 rm -rf build bem/_C*.so  # a warm machine keeps the last build: always build from scratch
