@@ -37,6 +37,17 @@ def logits(model, ids, **kwargs):
     return model(input_ids=ids, **kwargs).logits
 
 
+def cached_logits(model, ids, prompt: int):
+    """The logits of `ids` from the cache: the first `prompt` tokens in one call, then one token a call."""
+    out = model(input_ids=ids[:, :prompt], use_cache=True)
+    pieces, cache = [out.logits], returned_cache(out)
+    for t in range(prompt, ids.shape[1]):
+        out = model(input_ids=ids[:, t : t + 1], **{CACHE_KEYWORD: cache}, use_cache=True)
+        pieces.append(out.logits)
+        cache = returned_cache(out)
+    return torch.cat(pieces, 1)
+
+
 @pytest.mark.parametrize("kind", MIXERS)
 @pytest.mark.parametrize("arch", DECODERS)
 def test_a_fresh_mixer_leaves_the_base_model_exact_and_disable_and_unload_remove_it(arch, kind, load_base):
@@ -70,13 +81,7 @@ def test_cached_decoding_equals_the_full_forward(arch, kind, load_base):
     model = randomized(create_hierarchical_bem(load_base(arch), mixer_config(kind)), seed=1).double()
     ids = random_ids(2, 17, seed=2)
     full = logits(model, ids)
-    out = model(input_ids=ids[:, :7], use_cache=True)
-    pieces, cache = [out.logits], returned_cache(out)
-    for t in range(7, 17):
-        out = model(input_ids=ids[:, t : t + 1], **{CACHE_KEYWORD: cache}, use_cache=True)
-        pieces.append(out.logits)
-        cache = returned_cache(out)
-    assert (torch.cat(pieces, 1) - full).abs().max().item() < 1e-10
+    assert (cached_logits(model, ids, prompt=7) - full).abs().max().item() < 1e-10
 
 
 @pytest.mark.parametrize("kind", MIXERS)
@@ -90,13 +95,7 @@ def test_cached_decoding_in_float32_is_within_1e_5_of_the_full_forward(arch, kin
     randomized(model, seed=1, scale=0.1)
     full = logits(model, ids)
     assert (full - plain).abs().max().item() > 0.1  # the update and the mixers matter
-    out = model(input_ids=ids[:, :7], use_cache=True)
-    pieces, cache = [out.logits], returned_cache(out)
-    for t in range(7, 17):
-        out = model(input_ids=ids[:, t : t + 1], **{CACHE_KEYWORD: cache}, use_cache=True)
-        pieces.append(out.logits)
-        cache = returned_cache(out)
-    assert (torch.cat(pieces, 1) - full).abs().max().item() < 1e-5
+    assert (cached_logits(model, ids, prompt=7) - full).abs().max().item() < 1e-5
 
 
 @pytest.mark.parametrize("kind", MIXERS)
