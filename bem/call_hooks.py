@@ -130,15 +130,14 @@ class CallHooks:
         config_use_cache = getattr(getattr(module, "config", None), "use_cache", False)
         want_state = bool(use_cache if use_cache is not None else config_use_cache)
         capacity = cache.get_max_length() if getattr(cache, "is_compileable", False) else None
-        self.call = CallState(mask, state, want_state, self._side_signals(batch), new_tokens,
+        self.call = CallState(mask, state, want_state, self.pending_side_signals, new_tokens,
                               capacity if isinstance(capacity, int) and capacity > 0 else None)
         return None
 
-    def _side_signals(self, batch: int) -> Optional[torch.Tensor]:
-        """The side signals of this call's rows. generate repeats each row of its input (by
+    def _side_signals(self, side: Optional[torch.Tensor], batch: int) -> Optional[torch.Tensor]:
+        """The side signals of a call's `batch` rows. generate repeats each row of its input (by
         max(num_beams, num_return_sequences) in current transformers, or as a GenerationConfig says); each
         copy takes its row's signal. A count that fits no such repeat is left for the controller to refuse."""
-        side = self.pending_side_signals
         if (side is None or not self.side_signals_follow_expansion or side.dim() != 2 or side.shape[0] == 0
                 or batch == side.shape[0] or batch % side.shape[0]):
             return side
@@ -161,7 +160,8 @@ class CallHooks:
         keep_saved = torch.is_grad_enabled() and not torch.compiler.is_compiling()
         with torch.autograd.graph.saved_tensors_hooks(_keep, _keep) if keep_saved else contextlib.nullcontext():
             if routing is None:
-                out = self.controller(hidden, call.padding_mask, call.side_signals, out_dtype=dtype,
+                side = self._side_signals(call.side_signals, hidden.shape[0])  # read at a sequence's start only
+                out = self.controller(hidden, call.padding_mask, side, out_dtype=dtype,
                                       return_state=call.want_state)
             else:
                 out = self.controller.step(hidden, routing, call.padding_mask, out_dtype=dtype)

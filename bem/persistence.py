@@ -39,7 +39,8 @@ def read_adapter_config(directory: Path) -> dict[str, Any]:
     if not path.is_file():
         hint = ""
         if (directory / "config.json").is_file():
-            hint = " (this folder holds a model, with its config.json: pass the folder save_pretrained wrote the adapter to)"
+            hint = (" (this folder holds a model, with its config.json: pass the folder save_pretrained wrote the "
+                    "adapter to)")
         elif (directory / "model.safetensors").is_file():
             hint = (" (this folder holds a whole model's state dict, as transformers' Trainer writes for a "
                     "BEMModel: train with bem.training.hf_trainer.BEMTrainer, whose checkpoints hold the adapter, "

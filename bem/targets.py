@@ -92,10 +92,9 @@ def _model_type(model: nn.Module) -> Optional[str]:
     return getattr(config, "model_type", None)
 
 
-def _check_each_point_matches(model: nn.Module, model_type: str, attach: dict[str, str], points: list[str]) -> None:
-    """An attach point that is on but finds no linear in this model is an error, not a silent no-op (Mixtral's
+def _check_each_point_matches(names: list[str], model_type: str, attach: dict[str, str], points: list[str]) -> None:
+    """An attach point that is on but finds none of the wrappable `names` is an error, not a silent no-op (Mixtral's
     experts, say, are fused parameters in current transformers, so `attach_mlp` has nothing to wrap there)."""
-    names = [name for name, module in model.named_modules() if name and _is_wrappable(module)]
     for point in points:
         if not any(re.fullmatch(attach[point], name) for name in names):
             raise ValueError(
@@ -119,7 +118,6 @@ def plan_targets(model: nn.Module, config: HierarchicalBEMConfig) -> TargetPlan:
             )
         points = [p for p, on in (("mlp", config.attach_mlp), ("attention", config.attach_attention),
                                   ("qkv", config.attach_qkv)) if on]
-        _check_each_point_matches(model, model_type, attach, points)
         selector = "|".join(f"(?:{attach[p]})" for p in points)
 
     names, rejected = [], []
@@ -132,6 +130,8 @@ def plan_targets(model: nn.Module, config: HierarchicalBEMConfig) -> TargetPlan:
             names.append(name)
         elif not all_linear and (isinstance(selector, list) or not list(module.children())):
             rejected.append(f"{name} ({type(module).__name__})")
+    if config.target_modules is None:
+        _check_each_point_matches(names, model_type, attach, points)
     if rejected and isinstance(selector, list):
         raise ValueError(
             f"target_modules matched modules BEM cannot wrap (only nn.Linear and Conv1D): {rejected[:5]}"

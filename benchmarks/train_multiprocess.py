@@ -144,32 +144,23 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- worker
-def _trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
-
-
 def _wrap(variant: str, base: torch.nn.Module, config) -> torch.nn.Module:
     """`base` wrapped in place (no copy: a second base would count in the variant's memory)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers.pytorch_utils import Conv1D
-
     from bem import create_hierarchical_bem
+    from bem.profiling.models import lora_on
     from bem.targets import plan_targets
 
     bem_config = config.bem_config()
     if variant == "bem":
         return create_hierarchical_bem(base, bem_config)
-    names = plan_targets(base, bem_config).names  # the linears BEM wraps, at BEM's rank and alpha
-    fan_in_fan_out = any(isinstance(base.get_submodule(name), Conv1D) for name in names)
-    return get_peft_model(base, LoraConfig(r=bem_config.rank, lora_alpha=bem_config.alpha,
-                                           lora_dropout=bem_config.dropout, target_modules=names,
-                                           fan_in_fan_out=fan_in_fan_out, bias="none"))
+    return lora_on(base, plan_targets(base, bem_config).names, bem_config)  # the linears BEM wraps
 
 
 def _run_variant(variant: str, accelerator, config, setup, strategy: str, batches: list[torch.Tensor],
                  warmup: int, repeats: int, checkpointing: bool) -> dict[str, Any]:
     from bem.profiling.models import load_base_model
     from bem.training import distributed
+    from bem.training.optim import trainable_parameters
     from train_setups import set_trainable_dtype
 
     device = accelerator.device
@@ -183,14 +174,13 @@ def _run_variant(variant: str, accelerator, config, setup, strategy: str, batche
     set_trainable_dtype(model, setup.adapter_dtype)
     model.train()
     whole: list[torch.nn.Parameter] = []
-    sharded = strategy == "fsdp"
-    if sharded:
+    if strategy == "fsdp":
         controller = getattr(model, "controller", None) if variant == "bem" else None
         if controller is not None:
             whole = distributed.keep_whole(accelerator, [controller])
         else:
-            accelerator.state.fsdp_plugin.ignored_modules = None
-    optimizer = torch.optim.AdamW(_trainable(model), lr=config.train.learning_rate)
+            accelerator.state.fsdp_plugin.ignored_modules = None  # the last variant's choice does not carry over
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=config.train.learning_rate)
     model, optimizer = accelerator.prepare(model, optimizer)
 
     losses: list[float] = []
@@ -260,14 +250,14 @@ def worker_main(args: argparse.Namespace, config) -> int:
     rank = accelerator.process_index
     batch = args.batch_size or config.train.batch_size
     length = args.seq_len or config.train.sequence_length
+    generator = torch.Generator().manual_seed(config.seed + 1000 * (rank + 1))  # each process its own data
+    vocab = vocab_size_of(config)
+    low = 3 if vocab > 3 else 0
+    batches = [torch.randint(low, vocab, (batch, length), generator=generator).to(accelerator.device)
+               for _ in range(3)]  # both variants train on the same batches
     rows = []
     for variant in VARIANTS:
         set_seed(config.seed)  # the same base and adapter initialisation on every process
-        generator = torch.Generator().manual_seed(config.seed + 1000 * (rank + 1))  # each process its own data
-        vocab = vocab_size_of(config)
-        low = 3 if vocab > 3 else 0
-        batches = [torch.randint(low, vocab, (batch, length), generator=generator).to(accelerator.device)
-                   for _ in range(3)]
         rows.append(_run_variant(variant, accelerator, config, setup, args.worker, batches,
                                  max(1, config.timing.warmup), args.repeats or 10, args.gradient_checkpointing))
         free_device_memory()

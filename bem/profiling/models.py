@@ -86,14 +86,18 @@ def build_variants(base: nn.Module, bem_config: HierarchicalBEMConfig, with_lora
 
 
 def _lora_peer(base: nn.Module, bem: BEMModel, bem_config: HierarchicalBEMConfig) -> nn.Module:
+    return lora_on(copy.deepcopy(base), list(bem.bem_module_names), bem_config).eval()
+
+
+def lora_on(base: nn.Module, names: list[str], bem_config: HierarchicalBEMConfig) -> nn.Module:
+    """PEFT LoRA on `base` (in place) at BEM's rank, alpha and dropout, on the linears `names`."""
     from peft import LoraConfig, get_peft_model
     from transformers.pytorch_utils import Conv1D
 
-    names = list(bem.bem_module_names)
     fan_in_fan_out = any(isinstance(base.get_submodule(name), Conv1D) for name in names)
     config = LoraConfig(r=bem_config.rank, lora_alpha=bem_config.alpha, lora_dropout=bem_config.dropout,
                         target_modules=names, fan_in_fan_out=fan_in_fan_out, bias="none")
-    return get_peft_model(copy.deepcopy(base), config).eval()
+    return get_peft_model(base, config)
 
 
 def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
