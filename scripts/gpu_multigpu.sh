@@ -1,70 +1,89 @@
 #!/usr/bin/env bash
-# On a machine with two CUDA GPUs: train configs/train_llama_1b.yaml (bf16, gradient checkpointing, packed
-# 2048-token sequences, batch 4 per GPU) on one GPU, then on two through `accelerate launch --num_processes 2`
-# with DDP and with FSDP, and print each run's tokens/s (all GPUs, and per GPU) and peak memory per GPU from
-# the trainer's own metrics. Every run has the same global batch (one GPU: 4 x 2 accumulation steps), so the
-# losses of the first logged step agree too. Then the two-GPU tests (NCCL). Logs and metrics under $OUT.
-#   STEPS (default 30) optimizer steps per run; LOG_EVERY (5): the first window is warm-up and left out.
-#   SKIP_BUILD=1 reuses a built extension; FUSED=0 trains without the fused kernels.
+# On a machine with two CUDA GPUs, within one call's time (DEADLINE seconds, default 570), most important first:
+#   1. the two-GPU tests (NCCL; tiny models without the extension, so they run while it builds);
+#   2. BEM against PEFT LoRA under the same launches: one GPU, then two with DDP and with FSDP
+#      (benchmarks/train_throughput.py --processes 2, the Llama 1B config, b4 s2048 per GPU);
+#   3. `bem train` on configs/train_llama_1b.yaml on one GPU, then through `accelerate launch --num_processes 2`
+#      with DDP and with FSDP, with the same global batch (one GPU: 4 x 2 accumulation steps): tokens/s, peak
+#      memory per GPU and the losses, from the trainer's own metrics.
+# A step that would not fit in the time left is skipped and says so. Logs and metrics under $OUT.
+#   STEPS (default 12) optimizer steps per training run; LOG_EVERY (3): the first window is warm-up, left out.
+#   REPEATS (5): timed steps per variant in the benchmark. SKIP=tests,bench,train leaves steps out.
 set -o pipefail
 OUT=${OUT:-out}
-STEPS=${STEPS:-30}
-LOG_EVERY=${LOG_EVERY:-5}
+STEPS=${STEPS:-12}
+LOG_EVERY=${LOG_EVERY:-3}
+DEADLINE=$(( $(date +%s) + ${DEADLINE:-570} ))
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-20} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 python3 -c "import transformers as t, torch, accelerate as a; print('transformers', t.__version__, 'torch', torch.__version__, 'accelerate', a.__version__)"
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 [ "$gpus" -ge 2 ] || { echo "needs two CUDA GPUs, found $gpus"; exit 1; }
+SUMMARY=()
+skipped() { [[ ",${SKIP:-}," == *",$1,"* ]]; }
+left() { echo $(( DEADLINE - $(date +%s) )); }
 
-if [ "${FUSED:-1}" != 0 ] && { [ -z "${SKIP_BUILD:-}" ] || ! ls bem/_C*.so >/dev/null 2>&1; }; then
-    start=$(date +%s)  # built once here, not just in time by two processes at once
-    BEM_BUILD_CUDA=1 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-    echo "build: $(( $(date +%s) - start )) s"
+run() {  # run NAME SECONDS COMMAND...: one step, its log in $OUT/NAME.log; skipped when the time left is short
+    local name=$1 limit=$2 begin rc
+    shift 2
+    [ "$(left)" -gt 20 ] || { SUMMARY+=("$name: skipped, no time left"); return; }
+    [ "$limit" -le "$(left)" ] || limit=$(left)
+    begin=$(date +%s)
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    rc=$?
+    SUMMARY+=("$name: exit $rc, $(( $(date +%s) - begin )) s (limit $limit s)")
+    [ "$rc" = 0 ] || tail -15 "$OUT/$name.log"
+}
+
+# the extension builds in the background while the tests (which train without it) run
+build_rc=0
+if [ -z "${SKIP_BUILD:-}" ] || ! ls bem/_C*.so >/dev/null 2>&1; then
+    ( start=$(date +%s); BEM_BUILD_CUDA=1 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1; rc=$?
+      echo "build: exit $rc, $(( $(date +%s) - start )) s" >"$OUT/build.status"; exit $rc ) &
+    build_pid=$!
 fi
+skipped tests || run gpu_tests 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
+    tests/test_training_multiprocess.py
+if [ -n "${build_pid:-}" ]; then
+    wait "$build_pid" || build_rc=$?
+    SUMMARY+=("$(cat "$OUT/build.status")")
+    [ "$build_rc" = 0 ] || { tail -30 "$OUT/build.log"; printf '%s\n' "${SUMMARY[@]}"; exit 1; }
+fi
+
+skipped bench || run throughput 300 python3 benchmarks/train_throughput.py --processes 2 \
+    --config configs/profile_llama_1b.yaml --setups autocast --batch-size 4 --seq-len 2048 \
+    --gradient-checkpointing --repeats "${REPEATS:-5}" --json "$OUT/processes.json"
 
 CONFIG=configs/train_llama_1b.yaml
 COMMON=(training.max_steps="$STEPS" training.batch_size=4 data.max_length=2048 data.packing=true data.eval=null
         training.eval_every=0 training.save_every=0 training.log_every="$LOG_EVERY" logging.console=false)
-[ "${FUSED:-1}" = 0 ] && COMMON+=(bem.use_fused_kernels=false)
 LAUNCH=(accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision bf16
         --dynamo_backend no -m bem train)
-
-run() {  # run NAME COMMAND...: one training run, its log in $OUT/NAME.log, its metrics in $OUT/NAME/
-    local name=$1 begin rc
-    shift
-    rm -rf "${OUT:?}/$name"
-    begin=$(date +%s)
-    timeout 900 "$@" >"$OUT/$name.log" 2>&1
-    rc=$?
-    echo "$name: exit $rc, $(( $(date +%s) - begin )) s"
-    [ "$rc" = 0 ] || tail -30 "$OUT/$name.log"
-}
-
-# each run builds the same random 1B base from the config's seed (loading a saved copy instead would draw
-# BEM's initial weights from another point of the random stream, and the losses would not compare)
-run one env CUDA_VISIBLE_DEVICES=0 python3 -m bem train "$CONFIG" "${COMMON[@]}" \
-    training.gradient_accumulation_steps=2 training.output_dir="$OUT/one"
-for strategy in ddp fsdp; do
-    run "$strategy" env CUDA_VISIBLE_DEVICES=0,1 "${LAUNCH[@]}" "$CONFIG" "${COMMON[@]}" \
-        training.gradient_accumulation_steps=1 training.distributed="$strategy" training.output_dir="$OUT/$strategy"
-done
-
-python3 - "$OUT" <<'PY'
+# each run builds the same random 1B base from the config's seed, so the losses compare
+if ! skipped train; then
+    run train_one 100 env CUDA_VISIBLE_DEVICES=0 python3 -m bem train "$CONFIG" "${COMMON[@]}" \
+        training.gradient_accumulation_steps=2 training.output_dir="$OUT/one"
+    for strategy in ddp fsdp; do
+        run "train_$strategy" 100 env CUDA_VISIBLE_DEVICES=0,1 "${LAUNCH[@]}" "$CONFIG" "${COMMON[@]}" \
+            training.gradient_accumulation_steps=1 training.distributed="$strategy" \
+            training.output_dir="$OUT/$strategy"
+    done
+    python3 - "$OUT" <<'PY'
 import json, statistics, sys
 from pathlib import Path
 
 out = Path(sys.argv[1])
 print(f"{'run':<6}{'GPUs':>5}{'tokens/s':>11}{'per GPU':>10}{'x one GPU':>10}  {'peak GiB per GPU':<18}"
-      f"{'loss, first log':>16}{'last loss':>10}")
+      f"{'losses, every log':<40}")
 baseline = None
 for name, gpus in (("one", 1), ("ddp", 2), ("fsdp", 2)):
     path = out / name / "metrics.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
     records = [r for r in records if "loss" in r]
     if len(records) < 2:
-        print(f"{name:<6}{gpus:>5}  (no metrics: see {name}.log)")
+        print(f"{name:<6}{gpus:>5}  (no metrics: see train_{name}.log)")
         continue
     rate = statistics.median(r["tokens_per_s"] for r in records[1:])  # the first window holds the warm-up
     per_gpu = rate / gpus
@@ -73,14 +92,8 @@ for name, gpus in (("one", 1), ("ddp", 2), ("fsdp", 2)):
     ratio = f"{per_gpu / baseline:.3f}" if baseline else "-"
     peaks = " ".join(f"{p:.2f}" for p in records[-1].get("peak_memory_gib_by_rank", []))
     print(f"{name:<6}{gpus:>5}{rate:>11.0f}{per_gpu:>10.0f}{ratio:>10}  {peaks:<18}"
-          f"{records[0]['loss']:>16.4f}{records[-1]['loss']:>10.4f}")
+          + " ".join(f"{r['loss']:.4f}" for r in records))
 PY
-
-# BEM against PEFT LoRA under the same launches: one GPU, then two with DDP and with FSDP
-timeout 900 python3 benchmarks/train_throughput.py --processes 2 --config configs/profile_llama_1b.yaml \
-    --setups autocast --batch-size 4 --seq-len 2048 --gradient-checkpointing --json "$OUT/processes.json" \
-    >"$OUT/processes.log" 2>&1
-echo "throughput against LoRA: exit $?"; tail -12 "$OUT/processes.log"
-
-timeout 600 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_training_multiprocess.py >"$OUT/gpu_tests.log" 2>&1
-echo "two-GPU tests: exit $?"; tail -15 "$OUT/gpu_tests.log"
+fi
+[ -f "$OUT/throughput.log" ] && tail -8 "$OUT/throughput.log"
+printf '%s\n' "${SUMMARY[@]}"
