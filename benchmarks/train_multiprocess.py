@@ -160,7 +160,7 @@ def _run_variant(variant: str, accelerator, config, setup, strategy: str, batche
                  warmup: int, repeats: int, checkpointing: bool) -> dict[str, Any]:
     from bem.profiling.models import load_base_model
     from bem.training import distributed
-    from bem.training.optim import trainable_parameters
+    from bem.training.optim import param_groups, trainable_parameters
     from train_setups import set_trainable_dtype
 
     device = accelerator.device
@@ -180,7 +180,7 @@ def _run_variant(variant: str, accelerator, config, setup, strategy: str, batche
             whole = distributed.keep_whole(accelerator, [controller])
         else:
             accelerator.state.fsdp_plugin.ignored_modules = None  # the last variant's choice does not carry over
-    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=config.train.learning_rate)
+    optimizer = torch.optim.AdamW(param_groups(trainable_parameters(model), whole), lr=config.train.learning_rate)
     model, optimizer = accelerator.prepare(model, optimizer)
 
     losses: list[float] = []

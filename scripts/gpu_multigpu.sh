@@ -7,12 +7,12 @@
 #      with DDP and with FSDP, with the same global batch (one GPU: 4 x 2 accumulation steps): tokens/s, peak
 #      memory per GPU and the losses, from the trainer's own metrics.
 # A step that would not fit in the time left is skipped and says so. Logs and metrics under $OUT.
-#   STEPS (default 12) optimizer steps per training run; LOG_EVERY (3): the first window is warm-up, left out.
+#   STEPS (default 16) optimizer steps per training run; LOG_EVERY (2): the first window is warm-up, left out.
 #   REPEATS (5): timed steps per variant in the benchmark. SKIP=tests,bench,train leaves steps out.
 set -o pipefail
 OUT=${OUT:-out}
-STEPS=${STEPS:-12}
-LOG_EVERY=${LOG_EVERY:-3}
+STEPS=${STEPS:-16}
+LOG_EVERY=${LOG_EVERY:-2}
 DEADLINE=$(( $(date +%s) + ${DEADLINE:-570} ))
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-20} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
@@ -70,20 +70,23 @@ if ! skipped train; then
             training.gradient_accumulation_steps=1 training.distributed="$strategy" \
             training.output_dir="$OUT/$strategy"
     done
+    # twice the global batch: how much of a step's cost is paid once per optimizer step
+    run train_ddp_accumulating 100 env CUDA_VISIBLE_DEVICES=0,1 "${LAUNCH[@]}" "$CONFIG" "${COMMON[@]}" \
+        training.gradient_accumulation_steps=2 training.distributed=ddp training.output_dir="$OUT/ddp_accumulating"
     python3 - "$OUT" <<'PY'
 import json, statistics, sys
 from pathlib import Path
 
 out = Path(sys.argv[1])
-print(f"{'run':<6}{'GPUs':>5}{'tokens/s':>11}{'per GPU':>10}{'x one GPU':>10}  {'peak GiB per GPU':<18}"
+print(f"{'run':<17}{'GPUs':>5}{'tokens/s':>11}{'per GPU':>10}{'x one GPU':>10}  {'peak GiB per GPU':<18}"
       f"{'losses, every log':<40}")
 baseline = None
-for name, gpus in (("one", 1), ("ddp", 2), ("fsdp", 2)):
+for name, gpus in (("one", 1), ("ddp", 2), ("fsdp", 2), ("ddp_accumulating", 2)):
     path = out / name / "metrics.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
     records = [r for r in records if "loss" in r]
     if len(records) < 2:
-        print(f"{name:<6}{gpus:>5}  (no metrics: see train_{name}.log)")
+        print(f"{name:<17}{gpus:>5}  (no metrics: see train_{name}.log)")
         continue
     rate = statistics.median(r["tokens_per_s"] for r in records[1:])  # the first window holds the warm-up
     per_gpu = rate / gpus
@@ -91,9 +94,13 @@ for name, gpus in (("one", 1), ("ddp", 2), ("fsdp", 2)):
         baseline = per_gpu
     ratio = f"{per_gpu / baseline:.3f}" if baseline else "-"
     peaks = " ".join(f"{p:.2f}" for p in records[-1].get("peak_memory_gib_by_rank", []))
-    print(f"{name:<6}{gpus:>5}{rate:>11.0f}{per_gpu:>10.0f}{ratio:>10}  {peaks:<18}"
+    print(f"{name:<17}{gpus:>5}{rate:>11.0f}{per_gpu:>10.0f}{ratio:>10}  {peaks:<18}"
           + " ".join(f"{r['loss']:.4f}" for r in records))
+    print(f"{'':<11}tokens/s of each window: " + " ".join(f"{r['tokens_per_s']:.0f}" for r in records))
 PY
 fi
 [ -f "$OUT/throughput.log" ] && tail -8 "$OUT/throughput.log"
 printf '%s\n' "${SUMMARY[@]}"
+# a call brings back few files: the logs and metrics in one archive, the weights left behind
+(cd "$OUT" && find . -name '*.safetensors' -delete && tar czf logs.tgz --exclude=logs.tgz --exclude=console.log . \
+   && find . -mindepth 1 ! -name logs.tgz ! -name console.log ! -name processes.json -delete)

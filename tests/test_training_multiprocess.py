@@ -54,8 +54,10 @@ def train_and_write_each_adapter(self, stop_at_step=None):
     save_file(full, str(self.output_dir / f"rank{rank}.safetensors"))
     params = list(self.model.parameters())
     held = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    groups = [{isinstance(p, DTensor) for p in group["params"]} for group in self.optimizer.param_groups]
     record = {"numel": sum(p.numel() for p in params), "held": sum(p.numel() for p in held),
-              "frozen_sharded": all(isinstance(p, DTensor) for p in params if not p.requires_grad)}
+              "frozen_sharded": all(isinstance(p, DTensor) for p in params if not p.requires_grad),
+              "groups_mix_sharded_and_whole": any(len(kinds) > 1 for kinds in groups)}
     (self.output_dir / f"rank{rank}.json").write_text(json.dumps(record))
     return result
 
@@ -68,6 +70,11 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def python_path() -> str:
+    """The driver runs from a temporary folder: it finds this checkout's bem whether or not it is installed."""
+    return os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
 
 def overrides(data: Path, output_dir: Path, processes: int, *extra: str) -> list[str]:
@@ -84,7 +91,7 @@ def launch(root: Path, output_dir: Path, *extra: str, crash_after: int = 0) -> s
     """`accelerate launch --multi_gpu --num_processes 2` of the driver: two processes (the config's
     training.cpu keeps them on the CPU, where --multi_gpu only means several processes)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HOME": str(root / "hf_home"),  # no accelerate config of the user's
-           "CRASH_AFTER_STEP": str(crash_after)}
+           "CRASH_AFTER_STEP": str(crash_after), "PYTHONPATH": python_path()}
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                "--main_process_port", str(free_port()), str(root / "driver.py"), str(REPO / "configs/tiny.yaml"),
@@ -217,6 +224,8 @@ def test_fsdp_shards_the_frozen_base_as_well(run):
             assert record["held"] == record["numel"] and not record["frozen_sharded"]
         else:  # about half of everything; the controller is whole on each process
             assert record["frozen_sharded"] and record["held"] < 0.6 * record["numel"]
+        # a GPU's multi-tensor optimizer step refuses a group that mixes the two (the CPU's does not run)
+        assert not record["groups_mix_sharded_and_whole"]
 
 
 def test_the_saved_adapter_loads_on_one_process(run):
@@ -265,7 +274,7 @@ def test_two_gpus_with_nccl(strategy, root, tmp_path):
     repeats the lost steps (to a tolerance: GPU reductions need not repeat bit for bit)."""
     on_gpu = "training.cpu=false"
     one = tmp_path / "one"
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0", "CRASH_AFTER_STEP": "0"}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0", "CRASH_AFTER_STEP": "0", "PYTHONPATH": python_path()}
     single = subprocess.run([sys.executable, str(root / "driver.py"), str(REPO / "configs/tiny.yaml"),
                              *overrides(root / "train.jsonl", one, 1, on_gpu)],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
@@ -17,9 +18,19 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return params
 
 
-def build_optimizer(params: list[nn.Parameter], training: TrainingSection) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=training.lr, betas=(training.adam_beta1, training.adam_beta2),
-                             weight_decay=training.weight_decay)
+def param_groups(params: Sequence[nn.Parameter], apart: Sequence[nn.Parameter] = ()) -> list[dict[str, Any]]:
+    """`params` as optimizer param groups, with those of `apart` (what FSDP leaves whole) in a group of their
+    own: the multi-tensor (foreach) step of torch's optimizers takes a group's tensors together, and cannot
+    mix the sharded tensors FSDP makes of the others with plain ones."""
+    kept = {id(p) for p in apart}
+    groups = [[p for p in params if id(p) not in kept], [p for p in params if id(p) in kept]]
+    return [{"params": group} for group in groups if group]
+
+
+def build_optimizer(params: list[nn.Parameter], training: TrainingSection,
+                    apart: Sequence[nn.Parameter] = ()) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(param_groups(params, apart), lr=training.lr,
+                             betas=(training.adam_beta1, training.adam_beta2), weight_decay=training.weight_decay)
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, kind: str) -> float:

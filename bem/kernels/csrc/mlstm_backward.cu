@@ -31,11 +31,11 @@ __device__ __forceinline__ void token_terms(const MlstmGradParams& p, int bh, in
   const int token = c * L + tid;
   const float M = fmaxf(m_c, pm_s[tid]);
   tt.M[tid] = M;
-  tt.inter[tid] = __expf(m_c - M);
-  tt.w_key[tid] = __expf(g_s[L - 1] + a_s[tid] - m_next);  // 0 beyond the last token
+  tt.inter[tid] = wexp<T>(m_c - M);
+  tt.w_key[tid] = wexp<T>(g_s[L - 1] + a_s[tid] - m_next);  // 0 beyond the last token
   if (token < sh.S) {
     const int64_t row = (int64_t)bh * sh.S + token;
-    tt.inv_n[tid] = 1.f / normaliser(p.den_tok[row], p.m_tok[row]);
+    tt.inv_n[tid] = wdiv<T>(1.f, normaliser<T>(p.den_tok[row], p.m_tok[row]));
     tt.beta[tid] = p.beta[row];
   } else {
     tt.inv_n[tid] = 0.f;
@@ -99,10 +99,10 @@ __global__ void __launch_bounds__(kThreads) mlstm_grad_qk_kernel(const MlstmGrad
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int row = warp * 16 + acc_row(e), col = acc_col(nt, e);
-      const float w = col <= row ? (dp[nt][e] * tt.inv_n[row] + tt.beta[row]) * __expf(a_s[col] - tt.M[row]) : 0.f;
+      const float w = col <= row ? (dp[nt][e] * tt.inv_n[row] + tt.beta[row]) * wexp<T>(a_s[col] - tt.M[row]) : 0.f;
       p_s[row * ST + col] = from_f<T>(w);
       dq[nt][e] = tt.inter[row] * (dq[nt][e] * tt.inv_n[row] + tt.beta[row] * nc_s[col]);
-      dk[nt][e] = tt.w_key[row] * (dk[nt][e] + rn_s[col]) / sh.scale;
+      dk[nt][e] = wdiv<T>(tt.w_key[row] * (dk[nt][e] + rn_s[col]), sh.scale);
     }
   const T* q = static_cast<const T*>(p.q) + row_base * sh.DK;
   const T* k = static_cast<const T*>(p.k) + row_base * sh.DK;
@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_grad_v_kernel(const MlstmGradP
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int row = warp * 16 + acc_row(e), col = acc_col(nt, e);
-      const float w = col <= row ? s_acc[nt][e] * sh.scale * __expf(a_s[col] - tt.M[row]) * tt.inv_n[row] : 0.f;
+      const float w = col <= row ? s_acc[nt][e] * sh.scale * wexp<T>(a_s[col] - tt.M[row]) * tt.inv_n[row] : 0.f;
       w_s[row * ST + col] = from_f<T>(w);
       dv[nt][e] *= tt.w_key[row];
     }

@@ -35,8 +35,30 @@ template <typename T> __device__ __forceinline__ float load_gate(const void* p, 
   return fp32 ? static_cast<const float*>(p)[index] : to_f(static_cast<const T*>(p)[index]);
 }
 
+// exp and division for the weights of inputs of type T. The extension is built with --use_fast_math, which
+// makes float32's expf the approximate __expf (its error in the exponent, |x| 2^-24, is above float32's own
+// rounding) and its division approximate: the float32 instantiations take exp through double and round
+// their divisions, so that they keep float32's accuracy. 16-bit inputs keep the fast forms, far below
+// their own precision.
+template <typename T> __device__ __forceinline__ float wexp(float x) {
+  if constexpr (std::is_same<T, float>::value) {
+    return static_cast<float>(exp(static_cast<double>(x)));
+  } else {
+    return __expf(x);
+  }
+}
+template <typename T> __device__ __forceinline__ float wdiv(float a, float b) {
+  if constexpr (std::is_same<T, float>::value) {
+    return __fdiv_rn(a, b);
+  } else {
+    return a / b;
+  }
+}
+
 // log σ(x) = min(x, 0) - log1p(exp(-|x|)): finite for every finite x.
-__device__ __forceinline__ float log_sigmoid(float x) { return fminf(x, 0.f) - log1pf(__expf(-fabsf(x))); }
+template <typename T> __device__ __forceinline__ float log_sigmoid(float x) {
+  return fminf(x, 0.f) - log1pf(wexp<T>(-fabsf(x)));
+}
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -186,8 +208,8 @@ __device__ __forceinline__ ChunkGates load_chunk_gates(const MlstmShape& sh, con
   const int t0 = c * L + 2 * lane, t1 = t0 + 1;
   const int64_t base = (int64_t)bh * sh.S;
   ChunkGates r;
-  r.lf0 = t0 < sh.S ? log_sigmoid(load_gate<T>(fgate, sh.gates_fp32, base + t0)) : 0.f;
-  r.lf1 = t1 < sh.S ? log_sigmoid(load_gate<T>(fgate, sh.gates_fp32, base + t1)) : 0.f;
+  r.lf0 = t0 < sh.S ? log_sigmoid<T>(load_gate<T>(fgate, sh.gates_fp32, base + t0)) : 0.f;
+  r.lf1 = t1 < sh.S ? log_sigmoid<T>(load_gate<T>(fgate, sh.gates_fp32, base + t1)) : 0.f;
   r.i0 = t0 < sh.S ? load_gate<T>(igate, sh.gates_fp32, base + t0) : kNegInf;
   r.i1 = t1 < sh.S ? load_gate<T>(igate, sh.gates_fp32, base + t1) : kNegInf;
   return r;
@@ -235,7 +257,9 @@ __device__ __forceinline__ void chunk_gates(const MlstmShape& sh, const void* ig
 }
 
 // max(|den|, exp(-m)): the stabilised denominator of h.
-__device__ __forceinline__ float normaliser(float den, float m) { return fmaxf(fabsf(den), __expf(-m)); }
+template <typename T> __device__ __forceinline__ float normaliser(float den, float m) {
+  return fmaxf(fabsf(den), wexp<T>(-m));
+}
 
 }  // namespace mlstm
 }  // namespace bem

@@ -63,14 +63,14 @@ __global__ void __launch_bounds__(kThreads) mlstm_outputs_kernel(const MlstmOutp
   for (int hi = 0; hi < 2; ++hi) {
     const int t = warp * 16 + acc_row(2 * hi);
     M[hi] = fmaxf(m_c, pm_s[t]);
-    inter[hi] = __expf(m_c - M[hi]) * sh.scale;
+    inter[hi] = wexp<T>(m_c - M[hi]) * sh.scale;
   }
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int t = warp * 16 + acc_row(e), s = acc_col(nt, e), hi = e / 2;
-      const float w = s <= t ? s_acc[nt][e] * sh.scale * __expf(a_s[s] - M[hi]) : 0.f;
+      const float w = s <= t ? s_acc[nt][e] * sh.scale * wexp<T>(a_s[s] - M[hi]) : 0.f;
       row_sum[hi] += w;
       p_s[t * ST + s] = from_f<T>(w);
       h_acc[nt][e] *= inter[hi];
@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_outputs_kernel(const MlstmOutp
     const int t = warp * 16 + acc_row(2 * hi), token = c * L + t;
     const float den = inter[hi] * qn_s[t] + row_sum[hi];
     const float m_t = g_s[t] + M[hi];
-    const float inv_n = 1.f / normaliser(den, m_t);
+    const float inv_n = wdiv<T>(1.f, normaliser<T>(den, m_t));
     if (token < sh.S) {
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)

@@ -94,11 +94,11 @@ __global__ void __launch_bounds__(kThreads) mlstm_states_kernel(const MlstmState
       const int t = c * L + tid;
       if (!p.reverse) {
         const float M = fmaxf(m, pm_s[L - 1]);
-        const float w = __expf(a_s[tid] - M);  // 0 beyond the last token (a = -inf)
+        const float w = wexp<T>(a_s[tid] - M);  // 0 beyond the last token (a = -inf)
         w_s[tid] = w;
         wn_s[tid] = w;
         if (tid == 0) {
-          step_s[0] = __expf(m - M);
+          step_s[0] = wexp<T>(m - M);
           step_s[1] = g_s[L - 1] + M;
         }
       } else {
@@ -107,15 +107,15 @@ __global__ void __launch_bounds__(kThreads) mlstm_states_kernel(const MlstmState
         float w = 0.f, wn = 0.f;
         if (t < sh.S) {
           const int64_t row = (int64_t)bh * sh.S + t;
-          const float e = __expf(m_c - M) * sh.scale;
-          w = e / normaliser(p.den_tok[row], p.m_tok[row]);
+          const float e = wexp<T>(m_c - M) * sh.scale;
+          w = wdiv<T>(e, normaliser<T>(p.den_tok[row], p.m_tok[row]));
           wn = e * p.beta[row];
         }
         w_s[tid] = w;
         wn_s[tid] = wn;
         if (tid == 0) {
           const float m_next = p.m_states[(int64_t)bh * (sh.NC + 1) + c + 1];
-          step_s[0] = __expf(g_s[L - 1] + m_c - m_next);
+          step_s[0] = wexp<T>(g_s[L - 1] + m_c - m_next);
           step_s[1] = 0.f;
         }
       }

@@ -21,11 +21,11 @@ __global__ void __launch_bounds__(kStepWarps * 32) mlstm_step_kernel(const Mlstm
   const int lane = threadIdx.x % 32;
   const T* q = static_cast<const T*>(p.q) + (int64_t)bh * p.DK;
   const T* k = static_cast<const T*>(p.k) + (int64_t)bh * p.DK;
-  const float lf = log_sigmoid(load_gate<T>(p.fgate, p.gates_fp32, bh));
+  const float lf = log_sigmoid<T>(load_gate<T>(p.fgate, p.gates_fp32, bh));
   const float ig = load_gate<T>(p.igate, p.gates_fp32, bh);
   const float m_prev = p.m[bh];
   const float m_next = fmaxf(lf + m_prev, ig);
-  const float carry = __expf(lf + m_prev - m_next), write = __expf(ig - m_next);
+  const float carry = wexp<T>(lf + m_prev - m_next), write = wexp<T>(ig - m_next);
 
   // n' and n'·q̂: every block computes them (DK values), the first column block stores n'.
   float den = 0.f;
@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(kStepWarps * 32) mlstm_step_kernel(const Mlstm
       den_total += den_s[w];
     }
     // h = (C'ᵀ q / √d) / max(|n'·q / √d|, exp(-m'))
-    const float inv = 1.f / normaliser(den_total * p.scale, m_next);
+    const float inv = wdiv<T>(1.f, normaliser<T>(den_total * p.scale, m_next));
     if (col < p.DV) static_cast<T*>(p.h)[(int64_t)bh * p.DV + col] = from_f<T>(total * p.scale * inv);
     if (blockIdx.y == 0 && lane == 0) p.m_out[bh] = m_next;
   }
