@@ -2,7 +2,8 @@
 # Whole-project run on a CUDA machine: build the extension once, then the requested steps, each with
 # its own time limit and log under $OUT; a one-line summary per step is printed last.
 # Usage: bash scripts/gpu_validate.sh [probe] [errors] [kernel-tests] [gpu-tests] [mixer-tests] [mixer-errors]
-#        [fftconv-bench] [mlstm-bench] [sweep] [profile] [train] [breakdown] [prefill-breakdown]
+#        [fftconv-bench] [mlstm-bench] [mlstm-tests] [sweep] [profile] [train] [train-sweep] [breakdown]
+#        [prefill-breakdown]
 #        [bench] [bench-shapes] [mode-sweep] [conv1d-sweep] [backward-sweep] [sass] [ncu] [cpu-tests]   (bench-shapes reads
 #        BENCH_SHAPES, e.g. 1x4096x4096x8,...; the sweeps read SWEEP_SHAPES the same way, or sweep their
 #        default shapes; prefill-breakdown reads BREAKDOWN_MODEL: llama-1b or gpt2)
@@ -57,6 +58,13 @@ for what in "$@"; do
     mixer-tests) step mixer_tests ${MIXER_TESTS_LIMIT:-300} python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
         --tb=short -o faulthandler_timeout=120 tests/gpu/test_fftconv.py tests/gpu/test_mlstm.py \
         -k "not refuse and not bad_operands" ;;
+    mlstm-tests) step mlstm_tests 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
+        tests/gpu/test_mlstm.py -k "not refuse and not bad_operands" ;;
+    # one training-throughput run per profile config, each with its own log, so a cut-off keeps the others
+    train-sweep) for name in ${TRAIN_CONFIGS:-smollm_135m qwen2_1.5b gpt2 llama_1b phi3_mini}; do
+        step "train_$name" ${TRAIN_LIMIT:-120} python3 benchmarks/train_throughput.py \
+          --config "configs/profile_$name.yaml" --repeats ${TRAIN_REPEATS:-5} --json "$OUT/train_$name.json"
+      done ;;
     mixer-errors) step mixer_errors 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
         tests/gpu/test_fftconv.py tests/gpu/test_mlstm.py -k "refuse or bad_operands" ;;
     fftconv-bench) step fftconv_bench ${BENCH_LIMIT:-240} python3 -m bem.kernels.bench --fftconv --json "$OUT/fftconv_bench.json" ;;
@@ -74,3 +82,7 @@ for what in "$@"; do
   esac
 done
 printf '%s\n' "${SUMMARY[@]}"
+if [ -n "${ARCHIVE:-}" ]; then  # a call brings back few files: every log in one archive
+  (cd "$OUT" && tar czf /tmp/logs.tgz --exclude=console.log . && find . -mindepth 1 ! -name console.log -delete \
+     && mv /tmp/logs.tgz .)
+fi

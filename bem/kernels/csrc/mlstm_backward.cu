@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_grad_qk_kernel(const MlstmGrad
     for (int e = 0; e < 4; ++e) {
       const int row = warp * 16 + acc_row(e), col = acc_col(nt, e);
       const float w = col <= row ? (dp[nt][e] * tt.inv_n[row] + tt.beta[row]) * wexp<T>(a_s[col] - tt.M[row]) : 0.f;
-      p_s[row * ST + col] = from_f<T>(w);
+      p_s[row * ST + col] = tile_f<T>(w);
       dq[nt][e] = tt.inter[row] * (dq[nt][e] * tt.inv_n[row] + tt.beta[row] * nc_s[col]);
       dk[nt][e] = wdiv<T>(tt.w_key[row] * (dk[nt][e] + rn_s[col]), sh.scale);
     }
@@ -186,7 +186,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_grad_v_kernel(const MlstmGradP
     for (int e = 0; e < 4; ++e) {
       const int row = warp * 16 + acc_row(e), col = acc_col(nt, e);
       const float w = col <= row ? s_acc[nt][e] * sh.scale * wexp<T>(a_s[col] - tt.M[row]) * tt.inv_n[row] : 0.f;
-      w_s[row * ST + col] = from_f<T>(w);
+      w_s[row * ST + col] = tile_f<T>(w);
       dv[nt][e] *= tt.w_key[row];
     }
   const T* dh = static_cast<const T*>(p.dh) + row_base * sh.DV;

@@ -31,6 +31,16 @@ template <> __device__ __forceinline__ float from_f<float>(float v) { return v; 
 template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
+// An operand of a tile product, in T. float16 saturates at its largest finite value instead of becoming inf:
+// an inf operand turns the product's sums of opposite signs into inf - inf = NaN, where the saturated one
+// keeps them finite (the outputs, rounded with from_f, still become inf where they exceed float16).
+// NaN stays NaN.
+template <typename T> __device__ __forceinline__ T tile_f(float v) { return from_f<T>(v); }
+template <> __device__ __forceinline__ __half tile_f<__half>(float v) {
+  constexpr float kMax = 65504.f;
+  return __float2half_rn(fabsf(v) > kMax ? copysignf(kMax, v) : v);
+}
+
 template <typename T> __device__ __forceinline__ float load_gate(const void* p, bool fp32, int64_t index) {
   return fp32 ? static_cast<const float*>(p)[index] : to_f(static_cast<const T*>(p)[index]);
 }
@@ -57,7 +67,11 @@ template <typename T> __device__ __forceinline__ float wdiv(float a, float b) {
 
 // log σ(x) = min(x, 0) - log1p(exp(-|x|)): finite for every finite x.
 template <typename T> __device__ __forceinline__ float log_sigmoid(float x) {
-  return fminf(x, 0.f) - log1pf(wexp<T>(-fabsf(x)));
+  if constexpr (std::is_same<T, float>::value) {
+    return static_cast<float>(fmin(static_cast<double>(x), 0.0) - log1p(exp(-fabs(static_cast<double>(x)))));
+  } else {
+    return fminf(x, 0.f) - log1pf(__expf(-fabsf(x)));
+  }
 }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
@@ -94,7 +108,7 @@ __device__ __forceinline__ void stage_tile(T* tile, const Src* src, int64_t ld, 
   for (int idx = threadIdx.x; idx < L * 64; idx += kThreads) {
     const int r = idx / 64, c = idx % 64;
     const bool ok = r0 + r < rows && c0 + c < cols;
-    tile[r * S + c] = from_f<T>(ok ? to_f(src[(int64_t)(r0 + r) * ld + c0 + c]) : 0.f);
+    tile[r * S + c] = tile_f<T>(ok ? to_f(src[(int64_t)(r0 + r) * ld + c0 + c]) : 0.f);
   }
 }
 

@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_outputs_kernel(const MlstmOutp
       const int t = warp * 16 + acc_row(e), s = acc_col(nt, e), hi = e / 2;
       const float w = s <= t ? s_acc[nt][e] * sh.scale * wexp<T>(a_s[s] - M[hi]) : 0.f;
       row_sum[hi] += w;
-      p_s[t * ST + s] = from_f<T>(w);
+      p_s[t * ST + s] = tile_f<T>(w);
       h_acc[nt][e] *= inter[hi];
     }
 #pragma unroll

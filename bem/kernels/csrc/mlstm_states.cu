@@ -129,9 +129,9 @@ __global__ void __launch_bounds__(kThreads) mlstm_states_kernel(const MlstmState
     for (int idx = tid; idx < L * 64; idx += kThreads) {
       const int r = idx / 64, col = idx % 64;
       const float x = to_f(vals_s[r * ST + col]) * w_s[r];
-      const T hi = from_f<T>(x);
+      const T hi = tile_f<T>(x);
       vals_s[r * ST + col] = hi;
-      if (kSplit) lo_s[r * ST + col] = from_f<T>(x - to_f(hi));
+      if (kSplit) lo_s[r * ST + col] = tile_f<T>(x - to_f(hi));
     }
     __syncthreads();
     const float decay = step_s[0];
