@@ -4,6 +4,9 @@ and a user's own `torch.compile(mode="reduce-overhead")` loop, with the fused ke
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config, StaticCache
@@ -100,3 +103,37 @@ def test_a_users_reduce_overhead_decode_loop_with_a_static_cache():
         for t in range(6, 14):
             pieces.append(compiled(input_ids=ids[:, t : t + 1], **{CACHE_KEYWORD: cache}, use_cache=True).logits.clone())
     assert (torch.cat(pieces, 1) - expected).abs().max().item() < 1e-3
+
+
+def test_a_dropped_models_controller_graphs_may_die_during_another_capture():
+    """A controller and its captured CUDA graphs refer to each other, so a dropped model's graphs are destroyed
+    whenever Python's cyclic garbage collector runs: possibly while another CUDA graph is being recorded (as
+    inductor records the next model's decoding step). That must break neither the capture nor its replays."""
+    first = wrapped("llama", torch.bfloat16)
+    ids, mask = prompts()
+    for _ in range(2):  # the decoding step is captured at once, the prompt's forward the second time it is seen
+        first.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    graphs = weakref.ref(first.controller.graphs)
+    assert first.controller.graphs._steps and first.controller.graphs._forwards
+    x = torch.randn(64, 64, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        x @ x  # cuBLAS warmed up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    gc.collect()
+    gc.disable()  # what is dropped below stays until the collection inside the capture
+    try:
+        del first
+        with torch.cuda.graph(graph):
+            y = x @ x
+            gc.collect()
+            z = y + 1
+    finally:
+        gc.enable()
+    assert graphs() is None
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(z, x @ x + 1)
