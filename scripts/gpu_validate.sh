@@ -6,7 +6,8 @@
 #        [prefill-breakdown]
 #        [bench] [bench-shapes] [mode-sweep] [conv1d-sweep] [backward-sweep] [sass] [ncu] [cpu-tests]   (bench-shapes reads
 #        BENCH_SHAPES, e.g. 1x4096x4096x8,...; the sweeps read SWEEP_SHAPES the same way, or sweep their
-#        default shapes; prefill-breakdown reads BREAKDOWN_MODEL: llama-1b or gpt2)
+#        default shapes; prefill-breakdown reads BREAKDOWN_MODEL: llama-1b or gpt2; sweep reads SWEEP_CONFIGS,
+#        comma-separated profile names, default all; train-sweep reads TRAIN_CONFIGS, space-separated)
 set -o pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -69,7 +70,7 @@ for what in "$@"; do
         tests/gpu/test_fftconv.py tests/gpu/test_mlstm.py -k "refuse or bad_operands" ;;
     fftconv-bench) step fftconv_bench ${BENCH_LIMIT:-240} python3 -m bem.kernels.bench --fftconv --json "$OUT/fftconv_bench.json" ;;
     mlstm-bench) step mlstm_bench ${BENCH_LIMIT:-300} python3 -m bem.kernels.bench --mlstm --json "$OUT/mlstm_bench.json" ;;
-    sweep) step sweep ${SWEEP_LIMIT:-540} python3 profile.py --sweep --output-dir "$OUT" ;;
+    sweep) step sweep ${SWEEP_LIMIT:-540} python3 profile.py --sweep ${SWEEP_CONFIGS:-} --output-dir "$OUT" ;;
     profile) step profile 300 python3 profile.py --config configs/profile_llama_1b.yaml --output-dir "$OUT" ;;
     train) step train 300 python3 benchmarks/train_throughput.py --config configs/profile_llama_1b.yaml \
         --json "$OUT/train.json" ;;
