@@ -133,6 +133,17 @@ def test_a_checkpoint_is_refused_by_a_run_it_does_not_fit(tmp_path):
     assert shape.value.key == "training.resume"
 
 
+def test_optimizer_state_of_another_param_grouping_is_refused(tmp_path):
+    from bem.training import ConfigError
+    from bem.training.checkpoint import check_param_groups
+
+    run = [{"params": [0, 1, 2]}, {"params": [3]}]
+    check_param_groups([{"params": [0, 1, 2]}, {"params": [3]}], run, tmp_path)
+    with pytest.raises(ConfigError, match=r"param groups of \[4\] parameters.*groups of \[3, 1\]") as refused:
+        check_param_groups([{"params": [0, 1, 2, 3]}], run, tmp_path)  # FSDP state from one group
+    assert refused.value.key == "training.resume" and str(tmp_path) in str(refused.value)
+
+
 def test_a_checkpoint_from_before_the_strategy_was_recorded_reads_as_ddp(tmp_path):
     from bem.training.checkpoint import read_trainer_state
 

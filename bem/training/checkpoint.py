@@ -134,6 +134,21 @@ def check_resumable(saved: TrainerState, run: TrainerState, directory: Path) -> 
                                                   f"{saved.distributed}")
 
 
+def check_param_groups(saved_groups: list[dict], run_groups: list[dict], directory: Path) -> None:
+    """Refuse optimizer state whose param groups (their number, and the parameters in each) differ from this
+    run's optimizer: loaded anyway, each moment would land on another parameter, or torch would refuse it
+    without saying why. An FSDP run keeps the parameters it leaves whole in a group of their own, which runs
+    of BEM before that did not."""
+    saved = [len(group["params"]) for group in saved_groups]
+    run = [len(group["params"]) for group in run_groups]
+    if saved != run:
+        raise ConfigError("training.resume", f"{directory} holds optimizer state for param groups of {saved} "
+                                             f"parameters, this run's optimizer has groups of {run}: the "
+                                             f"checkpoint was written with another grouping of the trainable "
+                                             f"parameters (another adapter layout, or an FSDP run that kept them "
+                                             f"in one group); start a new run from its adapter instead")
+
+
 def load_checkpoint(directory: Path, rank: int) -> tuple[TrainerState, dict, dict, list[str], dict]:
     """(trainer state, adapter tensors, this rank's optimizer state dict, the names of its tensors that are
     shards, scheduler record); restores this rank's RNGs."""

@@ -179,6 +179,7 @@ class Trainer:
             directory, self.accelerator.process_index)
         # copy_ casts to each weight's device and dtype; under FSDP each process keeps its shard of the file's tensors
         self.bem_model.load_bem_state_dict(distributed.sharded_like(adapter, self.bem_model.bem_state_dict()))
+        ckpt.check_param_groups(optimizer_state["param_groups"], self.optimizer.param_groups, directory)
         if sharded:
             optimizer_state = distributed.reshard_optimizer_state(
                 optimizer_state, sharded, distributed.optimizer_parameters(self.optimizer))
