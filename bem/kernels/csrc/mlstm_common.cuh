@@ -234,19 +234,26 @@ __device__ __forceinline__ ChunkGates load_chunk_gates(const MlstmShape& sh, con
 //   a[t]  = ĩ_t - g[t] (-inf beyond the last token): key t's log weight relative to the chunk's start,
 //   pm[t] = max over s <= t of a[s]: with M_t = max(m_c, pm[t]) the stabiliser of query t is g[t] + M_t.
 // The same arithmetic in the same order in every kernel, so forward and backward agree to the bit.
+// float32 inputs scan in double: the cumulative log-forget reaches tens to hundreds within a chunk, and each
+// float32 addition of the scan costs an ulp of that in every weight exp(a_s - M_t) (measured in an exact
+// float32 emulation of these kernels: 2-3x the PyTorch formulation's error in h, against about 1x with the
+// scan exact). 16-bit inputs keep the float scan, far below their own rounding.
+template <typename T>
 __device__ __forceinline__ void scan_chunk_gates(const ChunkGates& r, float* g, float* a, float* pm) {
+  using Acc = typename std::conditional<std::is_same<T, float>::value, double, float>::type;
   const int lane = threadIdx.x % 32;
-  const float pair = r.lf0 + r.lf1;
-  float incl = pair;
+  const Acc pair = static_cast<Acc>(r.lf0) + static_cast<Acc>(r.lf1);
+  Acc incl = pair;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
-    const float y = __shfl_up_sync(0xffffffffu, incl, o);
+    const Acc y = __shfl_up_sync(0xffffffffu, incl, o);
     if (lane >= o) incl += y;
   }
-  float before_sum = __shfl_up_sync(0xffffffffu, incl, 1);
-  if (lane == 0) before_sum = 0.f;
-  const float g0 = before_sum + r.lf0, g1 = incl;
-  const float a0 = r.i0 - g0, a1 = r.i1 - g1;
+  Acc before_sum = __shfl_up_sync(0xffffffffu, incl, 1);
+  if (lane == 0) before_sum = 0;
+  const Acc g0 = before_sum + static_cast<Acc>(r.lf0), g1 = incl;
+  const float a0 = static_cast<float>(static_cast<Acc>(r.i0) - g0);
+  const float a1 = static_cast<float>(static_cast<Acc>(r.i1) - g1);
   float run = fmaxf(a0, a1);
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
@@ -255,8 +262,8 @@ __device__ __forceinline__ void scan_chunk_gates(const ChunkGates& r, float* g, 
   }
   float before = __shfl_up_sync(0xffffffffu, run, 1);
   if (lane == 0) before = kNegInf;
-  g[2 * lane] = g0;
-  g[2 * lane + 1] = g1;
+  g[2 * lane] = static_cast<float>(g0);
+  g[2 * lane + 1] = static_cast<float>(g1);
   a[2 * lane] = a0;
   a[2 * lane + 1] = a1;
   pm[2 * lane] = fmaxf(before, a0);
@@ -267,7 +274,7 @@ template <typename T>
 __device__ __forceinline__ void chunk_gates(const MlstmShape& sh, const void* igate, const void* fgate, int bh, int c,
                                             float* g, float* a, float* pm) {
   if (threadIdx.x >= 32) return;
-  scan_chunk_gates(load_chunk_gates<T>(sh, igate, fgate, bh, c), g, a, pm);
+  scan_chunk_gates<T>(load_chunk_gates<T>(sh, igate, fgate, bh, c), g, a, pm);
 }
 
 // max(|den|, exp(-m)): the stabilised denominator of h.

@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_states_kernel(const MlstmState
       cp_async_commit();
     }
     if (warp == 0) {
-      scan_chunk_gates(gates, g_s, a_s, pm_s);
+      scan_chunk_gates<T>(gates, g_s, a_s, pm_s);
       if (has_next) gates = load_chunk_gates<T>(sh, p.igate, p.fgate, bh, chunk_at(step + 1));
     }
     __syncthreads();

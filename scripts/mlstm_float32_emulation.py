@@ -1,0 +1,178 @@
+"""The mLSTM forward kernels (bem/kernels/csrc/mlstm_states.cu, mlstm_outputs in mlstm_forward.cu) emulated in
+float32 with numpy, each sum in the CUDA code's order and rounding (FMA: one rounding per step), to find
+where their float32 error against the float64 reference comes from. No GPU needed.
+
+    python scripts/mlstm_float32_emulation.py [--draws N] [--float-scan] [--exact-division]
+
+Prints, per draw of the GPU test's distributions (B 2, NH 3, S 100, 64 x 64, an initial state), the
+relative error in h of PyTorch's parallel form in float32 and of the emulated kernels. --float-scan
+emulates the gates' scan in float32 (as the kernels did before they scanned float32 inputs in double).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bem.kernels.mlstm import reference  # noqa: E402
+
+f32 = np.float32
+L = 64
+EXACT: set[str] = set()
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+def logsig(x):  # through double, rounded once
+    x = x.astype(np.float64)
+    return (np.minimum(x, 0) - np.log1p(np.exp(-np.abs(x)))).astype(f32)
+
+def fexp(x):
+    with np.errstate(over='ignore'):
+        return np.exp(x.astype(np.float64)).astype(f32)
+
+def chunk_gates(lf, ig, S, c):
+    # lf, ig: float32 arrays (S,); returns g, a, pm (64,) float32 per the warp scan
+    t = np.arange(c * L, c * L + L)
+    lfc = np.where(t < S, lf[np.minimum(t, S - 1)], f32(0)).astype(f32)
+    igc = np.where(t < S, ig[np.minimum(t, S - 1)], f32(-np.inf)).astype(f32)
+    lf0, lf1 = lfc[0::2], lfc[1::2]
+    pair = (lf0 + lf1).astype(f32)
+    incl = pair.copy()
+    o = 1
+    while o < 32:
+        y = np.concatenate([np.zeros(o, f32), incl[:-o]])
+        incl = np.where(np.arange(32) >= o, (incl + y).astype(f32), incl)
+        o <<= 1
+    before = np.concatenate([[f32(0)], incl[:-1]]).astype(f32)
+    g0 = (before + lf0).astype(f32); g1 = incl
+    a0 = (igc[0::2] - g0).astype(f32); a1 = (igc[1::2] - g1).astype(f32)
+    g = np.empty(L, f32); a = np.empty(L, f32)
+    g[0::2], g[1::2], a[0::2], a[1::2] = g0, g1, a0, a1
+    if "float-scan" not in EXACT:  # the kernels' scan of float32 inputs: in double, rounded once
+        cumulative = np.cumsum(lfc.astype(np.float64))
+        g = cumulative.astype(f32)
+        a = (igc.astype(np.float64) - cumulative).astype(f32)
+    pm = np.maximum.accumulate(a)
+    return g, a, pm
+
+def seqdot(A, B):
+    """A (m, k) @ B (k, n) with a sequential float32 FMA over k (FMA: one rounding per step)."""
+    acc = np.zeros((A.shape[0], B.shape[1]), f32)
+    for k in range(A.shape[1]):
+        acc = (acc.astype(np.float64) + np.outer(A[:, k], B[k]).astype(np.float64)).astype(f32)
+    return acc
+
+def forward_row(q, k, v, ig, fg, C0, n0, m0, scale):
+    S, DK = q.shape; DV = v.shape[1]
+    NC = -(-S // L)
+    lf = logsig(fg)
+    # states kernel
+    acc = C0.astype(f32).copy(); n = n0.astype(f32).copy(); m = f32(m0)
+    Cs, ns, ms = [], [], []
+    n_decay = f32(0); parts = None
+    for c in range(NC):
+        if c > 0:
+            n = (n_decay * n + parts[0] + parts[1]).astype(f32)  # left to right: (d*n + p0) + p1
+        Cs.append(acc.copy()); ns.append(n.copy()); ms.append(m)
+        g, a, pm = chunk_gates(lf, ig, S, c)
+        M = max(m, pm[-1])
+        w = fexp(a - M)
+        decay = fexp(np.array(m - M))[()]
+        m_next = f32(g[-1] + M)
+        rows = np.arange(c * L, c * L + L)
+        kk = np.where((rows < S)[:, None], k[np.minimum(rows, S - 1)], 0).astype(f32)
+        vv = np.where((rows < S)[:, None], v[np.minimum(rows, S - 1)], 0).astype(f32)
+        x = (vv * w[:, None]).astype(f32)
+        acc = (acc * decay).astype(f32)
+        for r in range(L):  # FMA over tokens
+            acc = (acc.astype(np.float64) + np.outer(kk[r], x[r])).astype(f32)
+        p0 = np.zeros(DK, f32); p1 = np.zeros(DK, f32)
+        for r in range(32):
+            p0 = (p0 + (w[r] * kk[r]).astype(f32)).astype(f32)
+        for r in range(32, 64):
+            p1 = (p1 + (w[r] * kk[r]).astype(f32)).astype(f32)
+        parts = (p0, p1); n_decay = decay; m = m_next
+    # outputs kernel
+    h = np.zeros((S, DV), f32)
+    for c in range(NC):
+        g, a, pm = chunk_gates(lf, ig, S, c)
+        C, nc, mc = Cs[c], ns[c], ms[c]
+        rows = np.arange(c * L, c * L + L)
+        valid = rows < S
+        qq = np.where(valid[:, None], q[np.minimum(rows, S - 1)], 0).astype(f32)
+        kk = np.where(valid[:, None], k[np.minimum(rows, S - 1)], 0).astype(f32)
+        vv = np.where(valid[:, None], v[np.minimum(rows, S - 1)], 0).astype(f32)
+        s_acc = seqdot(qq, kk.T)
+        h_acc = seqdot(qq, C)
+        qn = np.zeros(L, f32); qn2 = np.zeros(L, f32)
+        for j in range(32):
+            qn = (qn + qq[:, j] * nc[j]).astype(f32)
+            qn2 = (qn2 + qq[:, 32 + j] * nc[32 + j]).astype(f32)
+        qn = (qn + qn2).astype(f32)
+        M = np.maximum(mc, pm).astype(f32)
+        inter = (fexp(mc - M) * f32(scale)).astype(f32)
+        tri = np.tril(np.ones((L, L), bool))
+        W = np.where(tri, (s_acc * f32(scale)).astype(f32) * fexp(a[None, :] - M[:, None]), f32(0)).astype(f32)
+        # row sums: each lane owns columns 8nt + 2c + {0,1}; partial over nt, e; then xor 1, xor 2
+        lanes = []
+        for cc in range(4):
+            ssum = np.zeros(L, f32)
+            for nt in range(8):
+                for e in range(2):
+                    ssum = (ssum + W[:, 8 * nt + 2 * cc + e]).astype(f32)
+            lanes.append(ssum)
+        x1 = [(lanes[i] + lanes[i ^ 1]).astype(f32) for i in range(4)]
+        x2 = [(x1[i] + x1[i ^ 2]).astype(f32) for i in range(4)]
+        row_sum = x2[0]
+        h_acc = (h_acc * inter[:, None]).astype(f32)
+        for s in range(L):
+            h_acc = (h_acc.astype(np.float64) + np.outer(W[:, s], vv[s])).astype(f32)
+        den = (inter * qn + row_sum).astype(f32)
+        m_t = (g + M).astype(f32)
+        nrm = np.maximum(np.abs(den), fexp(-m_t)).astype(f32)
+        inv = (f32(1) / nrm).astype(f32)
+        out = (h_acc * inv[:, None]).astype(f32)
+        if "division" in EXACT:
+            out = (h_acc.astype(np.float64) / nrm[:, None]).astype(f32)
+        h[rows[valid]] = out[valid]
+    return h
+
+def draw(B, NH, S, DK, DV, seed):
+    g = torch.Generator().manual_seed(seed)
+    d = lambda *s: torch.randn(*s, generator=g)
+    q, k, v = d(B, NH, S, DK), d(B, NH, S, DK), d(B, NH, S, DV)
+    i = torch.rand(B, NH, S, generator=g) * 8 - 4; f = torch.rand(B, NH, S, generator=g) * 10 - 4
+    C = d(B, NH, DK, DV) * 0.3; n = d(B, NH, DK) * 0.3; m = d(B, NH)
+    return q, k, v, i, f, (C, n, m)
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--draws", type=int, default=4)
+    parser.add_argument("--float-scan", action="store_true", help="the gates' scan in float32")
+    parser.add_argument("--exact-division", action="store_true", help="h = num / n rounded once")
+    args = parser.parse_args()
+    EXACT.update(name for name, on in (("float-scan", args.float_scan), ("division", args.exact_division)) if on)
+    B, NH, S, DK, DV = 2, 3, 100, 64, 64
+    for seed in range(args.draws):
+        q, k, v, i, f, st = draw(B, NH, S, DK, DV, seed)
+        st64 = tuple(t.double() for t in st)
+        h64, _ = reference.mlstm_chunkwise(q.double(), k.double(), v.double(), i.double(), f.double(), st64, True)
+        hp, _ = reference.mlstm_parallel(q, k, v, i, f, st, True)
+        he = torch.zeros(B, NH, S, DV)
+        for b in range(B):
+            for hh in range(NH):
+                he[b, hh] = torch.from_numpy(forward_row(
+                    q[b, hh].numpy(), k[b, hh].numpy(), v[b, hh].numpy(), i[b, hh].numpy(), f[b, hh].numpy(),
+                    st[0][b, hh].numpy(), st[1][b, hh].numpy(), float(st[2][b, hh]), DK ** -0.5))
+        print(f"draw {seed}: PyTorch parallel {rel_err(hp, h64):.2e}, emulated kernels {rel_err(he, h64):.2e}")
+
+
+if __name__ == "__main__":
+    main()
