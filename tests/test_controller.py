@@ -126,3 +126,38 @@ def test_training_passes_keep_no_statistics_tensors():
     assert levels["codes"] is not None and levels["gate"] is not None
     with torch.no_grad():
         assert controller(hidden).levels["prefix"] is not None
+
+
+def test_graphs_of_a_controller_destroyed_inside_a_capture_are_kept_until_after_it(monkeypatch):
+    """A controller and its graphs form a cycle, so the garbage collector may destroy them inside another
+    CUDA-graph capture; their captured calls must then outlive that capture (with CUDA: tests/gpu)."""
+    import gc
+    import weakref
+
+    from bem.modules import controller_graphs
+
+    class Captured:  # stands for a captured call (a CUDA graph and its buffers)
+        pass
+
+    capturing = [True]
+    monkeypatch.setattr(controller_graphs, "_capturing", lambda: capturing[0])
+    monkeypatch.setattr(controller_graphs, "_DEFERRED", [])
+    for inside_a_capture in (True, False):
+        capturing[0] = inside_a_capture
+        controller = HierarchicalController(hidden_size=16, num_modules=2, rank=4, token_module_indices=[1],
+                                            controller_dim=8, chunk_size=2, max_prefix_tokens=2)
+        step, forward = Captured(), Captured()
+        controller.graphs._steps["key"], controller.graphs._forwards["key"] = step, forward
+        captured = {id(step), id(forward)}
+        del step, forward
+        gone = weakref.ref(controller)
+        del controller
+        gc.collect()
+        assert gone() is None
+        kept = {id(call) for call in controller_graphs._DEFERRED}
+        assert kept == (captured if inside_a_capture else set())
+        controller_graphs._release_deferred()  # the next call: inside the capture it keeps them, after it not
+        assert len(controller_graphs._DEFERRED) == (2 if inside_a_capture else 0)
+        capturing[0] = False
+        controller_graphs._release_deferred()
+        assert controller_graphs._DEFERRED == []

@@ -35,6 +35,22 @@ MAX_FORWARD_GRAPHS = 4
 MAX_STEP_GRAPHS = 8
 
 
+# Captured calls of controllers that were destroyed while a CUDA graph was being captured: a controller and
+# its graphs refer to each other, so Python's cyclic garbage collector destroys them, at whatever allocation
+# it runs on, also one inside another capture (as inductor's CUDA-graph trees record a compiled step), where
+# tearing down a graph and its memory pool is not safe. They are kept here until a call outside a capture.
+_DEFERRED: list["_CapturedCall"] = []
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _release_deferred() -> None:
+    if _DEFERRED and not _capturing():
+        _DEFERRED.clear()
+
+
 class _CapturedCall:
     """One call captured with its input buffers; `run` copies new inputs in and replays it."""
 
@@ -82,6 +98,13 @@ class ControllerGraphs:
         self._forward_sightings: dict[tuple, int] = {}
         self.enabled = os.environ.get("BEM_CONTROLLER_GRAPHS", "1") != "0"
 
+    def __del__(self) -> None:
+        try:
+            if _capturing():
+                _DEFERRED.extend([*self._steps.values(), *self._forwards.values()])
+        except Exception:  # noqa: BLE001 - at interpreter exit torch may be half torn down: nothing to keep
+            pass
+
     def _usable(self, hidden: torch.Tensor) -> bool:
         return (
             self.enabled
@@ -100,6 +123,7 @@ class ControllerGraphs:
         return hidden.shape[1] == 1 and self._usable(hidden)
 
     def run_step(self, hidden: torch.Tensor, mask: torch.Tensor, state: tuple, out_dtype: torch.dtype):
+        _release_deferred()
         controller = self._controller_ref[0]
         inputs = (hidden, mask, *state)
         key = (_signature(inputs), out_dtype, self._parameters_key())
@@ -124,6 +148,7 @@ class ControllerGraphs:
                     out_dtype: torch.dtype, return_state: bool) -> Optional[tuple]:
         """(codes, levels, state tensors or None) from a replay, or None where the call is not captured
         (yet): the caller then runs it eagerly."""
+        _release_deferred()
         controller = self._controller_ref[0]
         inputs = (hidden, mask, side_signals)
         key = (_signature(inputs), out_dtype, return_state, self._parameters_key())
