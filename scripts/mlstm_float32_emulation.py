@@ -2,11 +2,16 @@
 float32 with numpy, each sum in the CUDA code's order and rounding (FMA: one rounding per step), to find
 where their float32 error against the float64 reference comes from. No GPU needed.
 
-    python scripts/mlstm_float32_emulation.py [--draws N] [--float-scan] [--exact-division]
+    python scripts/mlstm_float32_emulation.py [--draws N] [--float-scan] [--exact-division] [--backward]
 
 Prints, per draw of the GPU test's distributions (B 2, NH 3, S 100, 64 x 64, an initial state), the
 relative error in h of PyTorch's parallel form in float32 and of the emulated kernels. --float-scan
 emulates the gates' scan in float32 (as the kernels did before they scanned float32 inputs in double).
+
+--backward instead runs the backward's PyTorch transcription (`bem/kernels/mlstm/backward.py`, the kernels'
+maths in their order) in float32 on the backward test's shape (B 2, NH 2, S 70, DK 100, DV 64), with the
+gates scanned as the kernels scan them (in double, or with --float-scan in float32), and prints each
+gradient's error over the PyTorch parallel form's.
 """
 
 from __future__ import annotations
@@ -152,12 +157,80 @@ def draw(B, NH, S, DK, DV, seed):
     C = d(B, NH, DK, DV) * 0.3; n = d(B, NH, DK) * 0.3; m = d(B, NH)
     return q, k, v, i, f, (C, n, m)
 
+def warp_scan_float32(lf: torch.Tensor) -> torch.Tensor:
+    """Inclusive cumulative sums over the last dimension (64) as the kernels' warp scan adds them in float32:
+    pairs, then a Hillis-Steele scan over 32 lanes."""
+    pair = lf[..., 0::2] + lf[..., 1::2]
+    incl, step = pair.clone(), 1
+    while step < 32:
+        shifted = torch.zeros_like(incl)
+        shifted[..., step:] = incl[..., :-step]
+        incl = torch.where(torch.arange(32) >= step, incl + shifted, incl)
+        step <<= 1
+    before = torch.zeros_like(incl)
+    before[..., 1:] = incl[..., :-1]
+    g = torch.empty_like(lf)
+    g[..., 0::2], g[..., 1::2] = before + lf[..., 0::2], incl
+    return g
+
+
+def backward_errors(draws: int, float_scan: bool) -> None:
+    import math
+
+    import torch.nn.functional as F
+
+    from bem.kernels.mlstm import custom_ops
+
+    modules = [sys.modules["bem.kernels.mlstm.reference"], sys.modules["bem.kernels.mlstm.backward"]]
+
+    def kernel_gates(igate, fgate, chunk_size, acc):
+        S = igate.shape[-1]
+        NC = -(-S // chunk_size)
+        pad = NC * chunk_size - S
+        lf64 = F.pad(F.logsigmoid(fgate.double()), (0, pad), value=0.0).reshape(*igate.shape[:-1], NC, chunk_size)
+        i = F.pad(igate.to(acc), (0, pad), value=-math.inf).reshape(*igate.shape[:-1], NC, chunk_size)
+        if acc == torch.float32 and float_scan:
+            return i, warp_scan_float32(lf64.float())
+        return i, lf64.cumsum(-1).to(acc)  # in double, rounded once (float64: exact anyway)
+
+    for module in modules:
+        module.chunk_gates = kernel_gates
+
+    def losses(fn, inputs, seed):
+        h, last = fn(*inputs)
+        g = torch.Generator().manual_seed(seed + 2)
+        dh, dC, dn = (torch.randn(t.shape, generator=g) for t in (h, last[0], last[1]))
+        dm = ((last[0].double() * dC.double()).sum((-1, -2)) + (last[1].double() * dn.double()).sum(-1)).detach()
+        loss = ((h.double() * dh.double()).sum() + (last[0].double() * dC.double()).sum()
+                + (last[1].double() * dn.double()).sum() + (last[2].double() * dm).sum())
+        return torch.autograd.grad(loss, inputs)
+
+    def kernels_maths(q, k, v, i, f, C, n, m):  # on CPU the op runs the transcription, forward and backward
+        h, C_last, n_last, m_last, *_ = custom_ops.mlstm_chunkwise_fwd(q, k, v, i, f, C, n, m)
+        return h, (C_last, n_last, m_last)
+
+    names = ["dq", "dk", "dv", "digate", "dfgate", "dC0", "dn0", "dm0"]
+    for seed in range(draws):
+        q, k, v, i, f, (C, n, m) = draw(2, 2, 70, 100, 64, seed)
+        inputs = [t.requires_grad_() for t in (q, k, v, i, f, C, n, m)]
+        inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+        want = losses(lambda *a: reference.mlstm_chunkwise(*a[:5], tuple(a[5:]), True), inputs64, seed)
+        yard = losses(lambda *a: reference.mlstm_parallel(*a[:5], tuple(a[5:]), True), inputs, seed)
+        got = losses(kernels_maths, inputs, seed)
+        ratios = [rel_err(a, b) / max(rel_err(c, b), 2.0**-24) for a, b, c in zip(got, want, yard)]
+        print(f"draw {seed}, error over PyTorch's: " + " ".join(f"{n} {r:.2f}" for n, r in zip(names, ratios)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draws", type=int, default=4)
     parser.add_argument("--float-scan", action="store_true", help="the gates' scan in float32")
     parser.add_argument("--exact-division", action="store_true", help="h = num / n rounded once")
+    parser.add_argument("--backward", action="store_true", help="the backward's transcription, see above")
     args = parser.parse_args()
+    if args.backward:
+        backward_errors(args.draws, args.float_scan)
+        return
     EXACT.update(name for name, on in (("float-scan", args.float_scan), ("division", args.exact_division)) if on)
     B, NH, S, DK, DV = 2, 3, 100, 64, 64
     for seed in range(args.draws):
