@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Whole-project run on a CUDA machine: build the extension once, then the requested steps, each with
 # its own time limit and log under $OUT; a one-line summary per step is printed last.
-# Usage: bash scripts/gpu_validate.sh [probe] [errors] [kernel-tests] [gpu-tests] [mixer-tests] [mixer-errors]
+# Usage: bash scripts/gpu_validate.sh [probe] [errors] [kernel-tests] [gpu-tests] [gpu-tests-isolated]
+#        [mixer-tests] [mixer-errors]
 #        [fftconv-bench] [mlstm-bench] [mlstm-tests] [sweep] [profile] [train] [train-sweep] [breakdown]
 #        [prefill-breakdown]
 #        [bench] [bench-shapes] [mode-sweep] [conv1d-sweep] [backward-sweep] [sass] [ncu] [cpu-tests]   (bench-shapes reads
@@ -41,6 +42,11 @@ for what in "$@"; do
     probe) step probe 120 python3 scripts/exception_probe.py ;;
     gpu-tests) step gpu_tests 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu \
         --ignore=tests/gpu/test_kernel_errors.py ;;
+    # each GPU test file in a process of its own: a crash in one cannot fail the files after it
+    gpu-tests-isolated) for file in tests/gpu/test_*.py; do
+        case $file in *kernel_errors*) continue ;; esac
+        step "isolated_$(basename "$file" .py)" 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short "$file"
+      done ;;
     kernel-tests) step kernel_tests 200 python3 -m pytest -m gpu -q --maxfail=10 -p no:cacheprovider \
         tests/gpu/test_kernel_forward.py tests/gpu/test_fused_gemm.py tests/gpu/test_kernel_backward.py \
         tests/gpu/test_kernel_compile_graphs.py ;;
