@@ -24,15 +24,14 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from bem.kernels.mlstm import reference  # noqa: E402
+from gpu.kernel_helpers import rel_err  # noqa: E402
 
 f32 = np.float32
 L = 64
 EXACT: set[str] = set()
 
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref).norm() / ref.norm()).item()
 
 def logsig(x):  # through double, rounded once
     x = x.astype(np.float64)

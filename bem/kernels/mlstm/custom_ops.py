@@ -121,14 +121,14 @@ def mlstm_chunkwise_bwd(
     dC_last: Optional[Tensor], dn_last: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     dh = dh.to(q.dtype).contiguous()
+    kernel = _kernel_takes(q)
     last_term = None
     if dC_last is not None or dn_last is not None:
-        last_term = backward.last_state_term(C_last, n_last, dC_last, dn_last)
-    if _kernel_takes(q):
-        if dC_last is not None:
-            # the kernel multiplies dC_last on the tensor cores in the inputs' dtype: the gate gradients pair
-            # its k·dk with this term, and the two cancel only if both read the same rounded dC_last
-            last_term = backward.last_state_term(C_last, n_last, dC_last.to(q.dtype), dn_last)
+        # the kernel multiplies dC_last on the tensor cores in the inputs' dtype: the gate gradients pair its
+        # k·dk with this term, and the two cancel only if both read the same rounded dC_last
+        dC_read = dC_last.to(q.dtype) if kernel and dC_last is not None else dC_last
+        last_term = backward.last_state_term(C_last, n_last, dC_read, dn_last)
+    if kernel:
         beta = _beta(dh, h, m_tok, den_tok).contiguous()
         dC = None if dC_last is None else dC_last.float().contiguous()
         dn = None if dn_last is None else dn_last.float().contiguous()
