@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from types import ModuleType
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -135,53 +135,16 @@ def _(G, P, codes, scaling, dtype):
     return G.new_empty(G.shape, dtype=dtype), P.new_empty(P.shape, dtype=dtype), G.new_empty(G.shape, dtype=dtype)
 
 
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
-
-
 def _grads_from_g(
     x: Tensor, grad_y: Tensor, G: Tensor, P: Tensor, codes: Optional[Tensor], scaling: float, need_v: bool,
-    need_u: bool, alongside: Optional[Callable[[], object]] = None,
+    need_u: bool,
 ) -> tuple[Optional[Tensor], Tensor, Optional[Tensor]]:
-    """(dV, dcodes, dU) from G = dY U and P = x V: one kernel for the three coefficient tensors, then dV and
-    dU (`_low_rank_products`)."""
+    """(dV, dcodes, dU) from G = dY U and P = x V: one kernel for the three coefficient tensors, then the two
+    GEMMs dV = x^T (s G ⊙ c) and dU = dY^T (s P ⊙ c), which only stream x and dY."""
     low, pc, dcodes = backward_coefficients(G, P, codes, scaling, x.dtype)
-    dv, du = _low_rank_products(x, grad_y, low, pc, need_v, need_u, alongside)
+    dv = torch.mm(x.t(), low) if need_v else None
+    du = torch.mm(grad_y.t(), pc) if need_u else None
     return dv, dcodes, du
-
-
-def _low_rank_products(
-    x: Tensor, grad_y: Tensor, low: Tensor, pc: Tensor, need_v: bool, need_u: bool,
-    alongside: Optional[Callable[[], object]] = None,
-) -> tuple[Optional[Tensor], Optional[Tensor]]:
-    """dV = x^T low and dU = dY^T pc, two GEMMs that only stream x and dY. With `alongside` (work for the
-    caller's stream), they run beside it on a side stream: every tensor is allocated on the caller's stream
-    before the fork, and the join comes before the return."""
-    dv = x.new_empty(x.shape[1], low.shape[1]) if need_v else None
-    du = x.new_empty(grad_y.shape[1], pc.shape[1]) if need_u else None
-
-    def products() -> None:
-        if dv is not None:
-            torch.mm(x.t(), low, out=dv)
-        if du is not None:
-            torch.mm(grad_y.t(), pc, out=du)
-
-    if alongside is None:
-        products()
-        return dv, du
-    main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        products()
-    alongside()
-    main.wait_stream(side)
-    return dv, du
 
 
 # How the prefill backward computes dX (None: by shape, `_dx_in_gemm`); forced by `prefill_dx_path`.
@@ -225,22 +188,12 @@ def prefill_backward(
     x: Tensor, grad_y: Tensor, weight: Tensor, V: Tensor, U: Tensor, P: Tensor, codes: Optional[Tensor],
     scaling: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dX, dV, dcodes, dU) of the BEM linear above decode sizes, dV and dU on a side stream beside dX.
-    Where the fused GEMM takes the operands: cuBLAS G = dY U, the coefficient kernel, then one GEMM gives
-    dX = dY W + (s G ⊙ c) V^T. Elsewhere the update kernel gives dX's low-rank share and G in one pass over
-    dY, and cuBLAS adds dY W onto it (beta = 1)."""
-    if _dx_in_gemm(grad_y, weight, V):
-        G = _extension().project(grad_y, U)
-        low, pc, dcodes = backward_coefficients(G, P, codes, scaling, x.dtype)
-        dx = []
-        dv, du = _low_rank_products(
-            x, grad_y, low, pc, True, True,
-            alongside=lambda: dx.append(_extension().gemm_update_given(grad_y, weight.t(), None, low, V)))
-        return dx[0], dv, dcodes, du
-    dx, G = _extension().update_forward(grad_y, U, codes, V, scaling)
-    dv, dcodes, du = _grads_from_g(x, grad_y, G, P, codes, scaling, True, True,
-                                   alongside=lambda: dx.addmm_(grad_y, weight))
-    return dx, dv, dcodes, du
+    """(dX, dV, dcodes, dU) of the BEM linear above decode sizes, in one extension call (backward_ops.cpp):
+    dV and dU on a side stream beside dX. Where the fused GEMM takes the operands (and the measured rule
+    says so): cuBLAS G = dY U, the coefficient kernel, then one GEMM gives dX = dY W + (s G ⊙ c) V^T.
+    Elsewhere the update kernels give dX's low-rank share and G in one pass over dY, and cuBLAS adds dY W."""
+    return tuple(_extension().prefill_backward(x, grad_y, weight, V, U, P, codes, scaling,
+                                               _dx_in_gemm(grad_y, weight, V)))
 
 
 @prefill_backward.register_fake
@@ -263,10 +216,24 @@ def _decode_sized(grad_y: Tensor) -> bool:
 
 
 def _decode_backward(grad_y, x, V, codes, U, P, scaling, weight, needs):
-    """The backward at decode sizes: cuBLAS dY W, and beside it two small kernels for the rest."""
+    """The backward at decode sizes: cuBLAS dY W, and beside it two small kernels for the rest. Eagerly the
+    extension is called as it is (the op's dispatch would cost more host time than the kernels take)."""
     need_x, need_v, need_codes, need_u = needs
-    dx, dv, dcodes, du = decode_backward(x, grad_y, weight if need_x else None, V, U, P, codes, scaling)
+    op = decode_backward if torch.compiler.is_compiling() else _extension().decode_backward
+    dx, dv, dcodes, du = op(x, grad_y, weight if need_x else None, V, U, P, codes, scaling)
     return dx if need_x else None, dv if need_v else None, dcodes if need_codes else None, du if need_u else None
+
+
+def _prefill_backward(grad_y, x, V, codes, U, P, scaling, weight, needs):
+    """The BEM linear's backward above decode sizes, dX asked for: one extension call (through the op when
+    traced)."""
+    need_x, need_v, need_codes, need_u = needs
+    if torch.compiler.is_compiling():
+        dx, dv, dcodes, du = prefill_backward(x, grad_y, weight, V, U, P, codes, scaling)
+    else:
+        dx, dv, dcodes, du = _extension().prefill_backward(x, grad_y, weight, V, U, P, codes, scaling,
+                                                           _dx_in_gemm(grad_y, weight, V), need_v, need_u)
+    return dx, dv if need_v else None, dcodes if need_codes else None, du if need_u else None
 
 
 def lowrank_backward(
@@ -286,8 +253,7 @@ def lowrank_backward(
     if _decode_sized(grad_y):
         return _decode_backward(grad_y, x, V, codes, U, P, scaling, weight, needs)
     if need_x and weight is not None:
-        dx, dv, dcodes, du = prefill_backward(x, grad_y, weight, V, U, P, codes, scaling)
-        return dx, dv if need_v else None, dcodes if need_codes else None, du if need_u else None
+        return _prefill_backward(grad_y, x, V, codes, U, P, scaling, weight, needs)
     # dX = s (G ⊙ c) V^T has the forward's form with U and V in the roles of V and U: the forward's
     # dispatch gives dX and G = dY U together.
     if need_x:

@@ -12,8 +12,7 @@ from typing import Optional
 
 import torch
 
-from . import custom_ops, reference
-
+from . import custom_ops, eager_linear, reference
 
 
 # Whether the CUDA extension `bem._C` (prebuilt or just-in-time) loaded: None until first looked up, which may
@@ -35,6 +34,7 @@ def __getattr__(name: str):
 
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 # BEM_FUSED_TRAINING=0: autograd at prefill sizes takes the reference path (cuBLAS forward and backward).
 # The fused ops are the default there: in a bf16 training step of a 1B model they measured faster once the
 # backward's dX came from the fused GEMM (docs/kernels.md).
@@ -159,6 +159,19 @@ def _inference_call(x: torch.Tensor, V: torch.Tensor) -> bool:
     )
 
 
+def _eager_autograd_call(x: torch.Tensor, V: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+    """True when autograd can run the fused linear straight on the extension (`eager_linear.FusedLinear`):
+    no tracing, no autocast, a non-empty float16/bfloat16 input on CUDA, a frozen weight and bias, and the
+    fused training path not opted out of (BEM_FUSED_TRAINING=0) at this size. The extension refuses, with
+    ValueError, any operand it does not take as it is; the checked path below then copies, casts or explains."""
+    return (
+        x.is_cuda and x.dtype in HALF_DTYPES and torch.is_grad_enabled() and custom_ops.extension() is not None
+        and not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cuda") and x.numel() != 0
+        and V.shape[-1] <= MAX_FUSED_RANK and not weight.requires_grad and (bias is None or not bias.requires_grad)
+        and not (TRAINING_USES_REFERENCE and x.shape[:-1].numel() > custom_ops.decode_max_tokens())
+    )
+
+
 class TransposeKeeper:
     """V^T, (r, K) and contiguous, as the TMA update kernel and the GEMM with the update inside read it:
     copied once and kept until V changes (in place: its version counter; replaced: its address). Each
@@ -204,6 +217,11 @@ def bem_linear(
             return custom_ops._C.linear_forward(x, weight, bias, V, codes, U, float(scaling), 0, 0, False, V_t)[0]
         except ValueError:
             pass  # an operand the kernels do not take as it is: the path below copies, casts or explains
+    if use_fused and _eager_autograd_call(x, V, weight, bias):
+        try:
+            return eager_linear.FusedLinear.apply(x, weight, bias, V, codes, U, float(scaling))
+        except ValueError:
+            pass  # as above
     autocast_dtype = _autocast_dtype(x) if use_fused else None
     if autocast_dtype is None:
         _check_update_args(x, V, codes, U)

@@ -155,8 +155,9 @@ def test_prefill_backward_matches_float64(dtype, M, K, N, r, op, needs, monkeypa
     """Above 64 rows, dX from the update kernels on dY: the streaming update kernel (1100 rows, r = 16),
     two cuBLAS GEMMs (2048, r = 32), the tiles kernel (odd sizes), under W^T as the forward's weight."""
     calls = []
-    real = custom_ops.backward_coefficients
-    monkeypatch.setattr(custom_ops, "backward_coefficients", lambda *a: calls.append(1) or real(*a))
+    for name in ("_prefill_backward", "_grads_from_g"):  # with dX asked for of a linear; otherwise
+        real = getattr(custom_ops, name)
+        monkeypatch.setattr(custom_ops, name, lambda *a, real=real: calls.append(1) or real(*a))
     with custom_ops.prefill_dx_path("update"):
         _check_gradients(op, M, K, N, r, dtype, needs, 0.8, stable_seed(dtype, M, K, N, r, op, needs), "prefill",
                          calls)
@@ -235,3 +236,29 @@ def test_default_prefill_dx_is_bit_equal_to_the_chosen_path(M, r, expected):
 
     default, chosen, other = grads(None), grads(expected), grads("gemm" if expected == "update" else "update")
     assert torch.equal(default[0], chosen[0]) and not torch.equal(default[0], other[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lead,K,N,r", [((3, 100), 256, 200, 8), ((2, 700), 520, 392, 16), ((5, 8), 136, 264, 13)])
+@pytest.mark.parametrize("needs", ["all", "no_x", "no_codes"])
+def test_eager_autograd_calls_the_extension_directly_with_the_custom_ops_numbers(dtype, lead, K, N, r, needs):
+    """Eager autograd on (batch, sequence, K) inputs takes `eager_linear.FusedLinear` (not the custom op's dispatch)
+    and gives the custom op's gradients: the same kernels, up to one rounding where cuBLAS may pick another
+    algorithm on another stream."""
+    M = lead[0] * lead[1]
+    x, W, b, V, c, U = operands(M, K, N, r, dtype, codes=True, seed=stable_seed(dtype, lead, K, N, r, needs), lead=lead)
+    wants = WANTS[needs]
+    dy = torch.randn(*lead, N, device="cuda", generator=torch.Generator(device="cuda").manual_seed(M)).to(dtype)
+    leaves = [t.detach().requires_grad_(want) for t, want in zip((x, V, c, U), wants)]
+    poison_allocator(x.device, (M + K + N) * r + M * max(K, N))
+    y = ops.bem_linear(leaves[0], W, b, leaves[1], leaves[2], leaves[3], 0.6)
+    assert type(y.grad_fn).__name__ == "FusedLinearBackward"
+    eager = torch.autograd.grad(y, [t for t in leaves if t.requires_grad], dy)
+    flat = [(t.detach().reshape(M, t.shape[-1]) if t.dim() == 3 else t.detach()).requires_grad_(t.requires_grad)
+            for t in leaves]
+    y_op, _ = custom_ops.fused_bem_linear(flat[0], W, b, flat[1], flat[2], flat[3], 0.6)
+    assert torch.equal(y.reshape(M, N), y_op)
+    through_op = torch.autograd.grad(y_op, [t for t in flat if t.requires_grad], dy.reshape(M, N))
+    for got, want, leaf in zip(eager, through_op, [t for t in leaves if t.requires_grad]):
+        assert got.shape == leaf.shape
+        assert rel_err(got.reshape(want.shape), want.double()) <= torch.finfo(dtype).eps

@@ -17,4 +17,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_coefficients(const at::T
                                                                      const c10::optional<at::Tensor>& codes,
                                                                      double scale, at::ScalarType dtype);
 
+// (dX, dV, dcodes, dU) of the BEM linear above decode sizes; dV and dU undefined where not needed.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> prefill_backward(
+    const at::Tensor& x, const at::Tensor& grad_y, const at::Tensor& weight, const at::Tensor& V,
+    const at::Tensor& U, const at::Tensor& P, const c10::optional<at::Tensor>& codes, double scale, bool dx_in_gemm,
+    bool need_v, bool need_u);
+
 }  // namespace bem

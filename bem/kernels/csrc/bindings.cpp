@@ -16,6 +16,7 @@
 #include "launchers.h"
 #include "projection.h"
 #include "torch_checks.h"
+#include "update_ops.h"
 
 namespace bem {
 // Each further op family binds its functions from its own file (fftconv_bindings.cpp, mlstm_bindings.cpp).
@@ -188,6 +189,8 @@ Tensor run_update(const Tensor& A, const Tensor& B, const OptTensor& codes, cons
   return P;
 }
 
+}  // namespace
+
 std::tuple<Tensor, Tensor> update_forward(const Tensor& x, const Tensor& V, const OptTensor& codes, const Tensor& U,
                                           double scale, int64_t kernel, int64_t stream_tokens,
                                           int64_t stream_cluster) {
@@ -215,6 +218,8 @@ Tensor project(const Tensor& A, const Tensor& B) {
   const c10::cuda::CUDAGuard guard(A.device());
   return run_update(A, B, c10::nullopt, nullptr, nullptr, nullptr, 1.0, false);
 }
+
+namespace {
 
 Tensor base_linear(const Tensor& x, const Tensor& weight, const OptTensor& bias) {
   // weight.t() is (K, N); cuBLAS reads either layout without a copy.
@@ -380,6 +385,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(dX, dV, dcodes, dU) of the BEM linear (weight given) or of the update, for 1..64 rows",
         py::arg("x"), py::arg("grad_y"), py::arg("weight"), py::arg("V"), py::arg("U"), py::arg("P"), py::arg("codes"),
         py::arg("scaling"));
+  m.def("prefill_backward", &bem::prefill_backward,
+        "(dX, dV, dcodes, dU) of the BEM linear above decode sizes (dV, dU None where not asked for)", py::arg("x"),
+        py::arg("grad_y"), py::arg("weight"), py::arg("V"), py::arg("U"), py::arg("P"), py::arg("codes"),
+        py::arg("scaling"), py::arg("dx_in_gemm"), py::arg("need_v") = true, py::arg("need_u") = true);
   m.def("backward_coefficients", &bem::backward_coefficients,
         "(s G ⊙ codes, s P ⊙ codes, s G ⊙ P) in dtype from float32 G and P", py::arg("G"), py::arg("P"),
         py::arg("codes"), py::arg("scaling"), py::arg("dtype"));
