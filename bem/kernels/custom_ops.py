@@ -192,8 +192,21 @@ def prefill_backward(
     dV and dU on a side stream beside dX. Where the fused GEMM takes the operands (and the measured rule
     says so): cuBLAS G = dY U, the coefficient kernel, then one GEMM gives dX = dY W + (s G ⊙ c) V^T.
     Elsewhere the update kernels give dX's low-rank share and G in one pass over dY, and cuBLAS adds dY W."""
-    return tuple(_extension().prefill_backward(x, grad_y, weight, V, U, P, codes, scaling,
-                                               _dx_in_gemm(grad_y, weight, V)))
+    return _prefill_backward_now(x, grad_y, weight, V, U, P, codes, scaling)
+
+
+def _prefill_backward_now(x, grad_y, weight, V, U, P, codes, scaling, need_v=True, need_u=True):
+    """The prefill backward's work: one extension call for float16/bfloat16; for float32/float64 (which the
+    coefficient kernel and the fused GEMM do not take) the update kernels on dY, cuBLAS, and PyTorch's
+    coefficients. dV and dU are None where not asked for."""
+    in_gemm = _dx_in_gemm(grad_y, weight, V)
+    if x.dtype in (torch.float16, torch.bfloat16):
+        return tuple(_extension().prefill_backward(x, grad_y, weight, V, U, P, codes, scaling, in_gemm, need_v,
+                                                   need_u))
+    dx, G = _extension().update_forward(grad_y, U, codes, V, scaling)
+    dx.addmm_(grad_y, weight)
+    dv, dcodes, du = _grads_from_g(x, grad_y, G, P, codes, scaling, need_v, need_u)
+    return dx, dv, dcodes, du
 
 
 @prefill_backward.register_fake
@@ -215,24 +228,22 @@ def _decode_sized(grad_y: Tensor) -> bool:
     return grad_y.is_cuda and half and 1 <= grad_y.shape[0] <= decode_max_tokens()
 
 
-def _decode_backward(grad_y, x, V, codes, U, P, scaling, weight, needs):
-    """The backward at decode sizes: cuBLAS dY W, and beside it two small kernels for the rest. Eagerly the
-    extension is called as it is (the op's dispatch would cost more host time than the kernels take)."""
+def _decode_backward(grad_y, x, V, codes, U, P, scaling, weight, needs, direct=False):
+    """The backward at decode sizes: cuBLAS dY W, and beside it two small kernels for the rest. `direct`
+    (eager autograd only): the extension is called as it is, without the op's dispatch."""
     need_x, need_v, need_codes, need_u = needs
-    op = decode_backward if torch.compiler.is_compiling() else _extension().decode_backward
+    op = _extension().decode_backward if direct else decode_backward
     dx, dv, dcodes, du = op(x, grad_y, weight if need_x else None, V, U, P, codes, scaling)
     return dx if need_x else None, dv if need_v else None, dcodes if need_codes else None, du if need_u else None
 
 
-def _prefill_backward(grad_y, x, V, codes, U, P, scaling, weight, needs):
-    """The BEM linear's backward above decode sizes, dX asked for: one extension call (through the op when
-    traced)."""
+def _prefill_backward(grad_y, x, V, codes, U, P, scaling, weight, needs, direct=False):
+    """The BEM linear's backward above decode sizes, dX asked for; `direct` as above."""
     need_x, need_v, need_codes, need_u = needs
-    if torch.compiler.is_compiling():
-        dx, dv, dcodes, du = prefill_backward(x, grad_y, weight, V, U, P, codes, scaling)
+    if direct:
+        dx, dv, dcodes, du = _prefill_backward_now(x, grad_y, weight, V, U, P, codes, scaling, need_v, need_u)
     else:
-        dx, dv, dcodes, du = _extension().prefill_backward(x, grad_y, weight, V, U, P, codes, scaling,
-                                                           _dx_in_gemm(grad_y, weight, V), need_v, need_u)
+        dx, dv, dcodes, du = prefill_backward(x, grad_y, weight, V, U, P, codes, scaling)
     return dx, dv if need_v else None, dcodes if need_codes else None, du if need_u else None
 
 
@@ -246,14 +257,17 @@ def lowrank_backward(
     scaling: float,
     weight: Optional[Tensor],
     needs: tuple[bool, bool, bool, bool],
+    direct: bool = False,
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-    """(dX, dV, dcodes, dU) for the update (plus dY W when `weight` is given); `needs` in that order."""
+    """(dX, dV, dcodes, dU) for the update (plus dY W when `weight` is given); `needs` in that order. `direct`:
+    the backward of eager autograd (`eager_linear`), which calls the extension without the ops' dispatch; the
+    ops' own autograd formulas, which torch.compile traces, never pass it."""
     need_x, need_v, need_codes, need_u = needs
     grad_y = grad_y.contiguous()
     if _decode_sized(grad_y):
-        return _decode_backward(grad_y, x, V, codes, U, P, scaling, weight, needs)
+        return _decode_backward(grad_y, x, V, codes, U, P, scaling, weight, needs, direct)
     if need_x and weight is not None:
-        return _prefill_backward(grad_y, x, V, codes, U, P, scaling, weight, needs)
+        return _prefill_backward(grad_y, x, V, codes, U, P, scaling, weight, needs, direct)
     # dX = s (G ⊙ c) V^T has the forward's form with U and V in the roles of V and U: the forward's
     # dispatch gives dX and G = dY U together.
     if need_x:

@@ -43,7 +43,7 @@ class FusedLinear(torch.autograd.Function):
         x2 = x.reshape(rows, x.shape[-1])
         codes2 = None if codes is None else codes.reshape(rows, codes.shape[-1])
         dx, dv, dcodes, du = custom_ops.lowrank_backward(dy, x2, V, codes2, U, P, ctx.scaling, weight,
-                                                         (n[0], n[3], n[4], n[5]))
+                                                         (n[0], n[3], n[4], n[5]), direct=True)
         dx = None if dx is None else dx.view(x.shape)
         dcodes = None if dcodes is None else dcodes.view(codes.shape)
         return dx, None, None, dv, dcodes, du, None
