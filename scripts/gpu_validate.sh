@@ -3,7 +3,7 @@
 # its own time limit and log under $OUT; a one-line summary per step is printed last.
 # Usage: bash scripts/gpu_validate.sh [probe] [errors] [kernel-tests] [gpu-tests] [gpu-tests-isolated]
 #        [mixer-tests] [mixer-errors]
-#        [fftconv-bench] [mlstm-bench] [mlstm-tests] [sweep] [profile] [train] [train-sweep] [breakdown]
+#        [fftconv-bench] [mlstm-bench] [mlstm-tests] [training-tests] [sweep] [profile] [train] [train-sweep] [breakdown]
 #        [prefill-breakdown]
 #        [bench] [bench-shapes] [mode-sweep] [conv1d-sweep] [backward-sweep] [sass] [ncu] [cpu-tests]   (bench-shapes reads
 #        BENCH_SHAPES, e.g. 1x4096x4096x8,...; the sweeps read SWEEP_SHAPES the same way, or sweep their
@@ -65,6 +65,10 @@ for what in "$@"; do
     mixer-tests) step mixer_tests ${MIXER_TESTS_LIMIT:-300} python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
         --tb=short -o faulthandler_timeout=120 tests/gpu/test_fftconv.py tests/gpu/test_mlstm.py \
         -k "not refuse and not bad_operands" ;;
+    # the paths a training step takes: both backward paths, the eager and the compiled one, whole models
+    training-tests) step training_tests 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
+        tests/gpu/test_backward_paths.py tests/gpu/test_kernel_backward.py tests/gpu/test_kernel_compile_graphs.py \
+        tests/gpu/test_wrapped_model.py ;;
     mlstm-tests) step mlstm_tests 120 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
         tests/gpu/test_mlstm.py -k "not refuse and not bad_operands" ;;
     # one training-throughput run per profile config, each with its own log, so a cut-off keeps the others
