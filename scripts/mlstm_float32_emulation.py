@@ -2,11 +2,15 @@
 float32 with numpy, each sum in the CUDA code's order and rounding (FMA: one rounding per step), to find
 where their float32 error against the float64 reference comes from. No GPU needed.
 
-    python scripts/mlstm_float32_emulation.py [--draws N] [--float-scan] [--exact-division] [--backward]
+    python scripts/mlstm_float32_emulation.py [--draws N] [--float-scan] [--float-log-weights] [--exact-division]
+        [--inputs FILE] [--backward]
 
 Prints, per draw of the GPU test's distributions (B 2, NH 3, S 100, 64 x 64, an initial state), the
 relative error in h of PyTorch's parallel form in float32 and of the emulated kernels. --float-scan
-emulates the gates' scan in float32 (as the kernels did before they scanned float32 inputs in double).
+emulates the gates' scan in float32 (as the kernels did before they scanned float32 inputs in double);
+--float-log-weights rounds the scanned g, a and pm to float32 and forms the log weights (a_s - M_t, m - M) in
+float32, as the kernels did before they kept them in double. --inputs takes the operands from a file
+(torch.save of [q, k, v, igate, fgate, C0, n0, m0], CPU tensors, e.g. the GPU test's own draw).
 
 --backward instead runs the backward's PyTorch transcription (`bem/kernels/mlstm/backward.py`, the kernels'
 maths in their order) in float32 on the backward test's shape (B 2, NH 2, S 70, DK 100, DV 64), with the
@@ -59,12 +63,14 @@ def chunk_gates(lf, ig, S, c):
     a0 = (igc[0::2] - g0).astype(f32); a1 = (igc[1::2] - g1).astype(f32)
     g = np.empty(L, f32); a = np.empty(L, f32)
     g[0::2], g[1::2], a[0::2], a[1::2] = g0, g1, a0, a1
-    if "float-scan" not in EXACT:  # the kernels' scan of float32 inputs: in double, rounded once
+    if "float-scan" not in EXACT:  # the kernels' scan of float32 inputs: in double
         cumulative = np.cumsum(lfc.astype(np.float64))
-        g = cumulative.astype(f32)
-        a = (igc.astype(np.float64) - cumulative).astype(f32)
+        g = cumulative
+        a = igc.astype(np.float64) - cumulative
+        if "float-log-weights" in EXACT:  # rounded to float32 once (the kernels before they kept them in double)
+            g, a = g.astype(f32), a.astype(f32)
     pm = np.maximum.accumulate(a)
-    return g, a, pm
+    return g, a, pm  # float64 unless --float-scan or --float-log-weights
 
 def seqdot(A, B):
     """A (m, k) @ B (k, n) with a sequential float32 FMA over k (FMA: one rounding per step)."""
@@ -86,7 +92,7 @@ def forward_row(q, k, v, ig, fg, C0, n0, m0, scale):
             n = (n_decay * n + parts[0] + parts[1]).astype(f32)  # left to right: (d*n + p0) + p1
         Cs.append(acc.copy()); ns.append(n.copy()); ms.append(m)
         g, a, pm = chunk_gates(lf, ig, S, c)
-        M = max(m, pm[-1])
+        M = max(np.asarray(m, pm.dtype), pm[-1])  # in the gates' type: double, float32 with the flags
         w = fexp(a - M)
         decay = fexp(np.array(m - M))[()]
         m_next = f32(g[-1] + M)
@@ -120,7 +126,7 @@ def forward_row(q, k, v, ig, fg, C0, n0, m0, scale):
             qn = (qn + qq[:, j] * nc[j]).astype(f32)
             qn2 = (qn2 + qq[:, 32 + j] * nc[32 + j]).astype(f32)
         qn = (qn + qn2).astype(f32)
-        M = np.maximum(mc, pm).astype(f32)
+        M = np.maximum(np.asarray(mc, pm.dtype), pm)
         inter = (fexp(mc - M) * f32(scale)).astype(f32)
         tri = np.tril(np.ones((L, L), bool))
         W = np.where(tri, (s_acc * f32(scale)).astype(f32) * fexp(a[None, :] - M[:, None]), f32(0)).astype(f32)
@@ -224,16 +230,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draws", type=int, default=4)
     parser.add_argument("--float-scan", action="store_true", help="the gates' scan in float32")
+    parser.add_argument("--float-log-weights", action="store_true",
+                        help="g, a, pm and the log weights in float32 (the kernels before 2026-11-26, third session)")
     parser.add_argument("--exact-division", action="store_true", help="h = num / n rounded once")
+    parser.add_argument("--inputs", help="torch.save'd [q, k, v, igate, fgate, C0, n0, m0] to use instead of draws")
     parser.add_argument("--backward", action="store_true", help="the backward's transcription, see above")
     args = parser.parse_args()
     if args.backward:
         backward_errors(args.draws, args.float_scan)
         return
-    EXACT.update(name for name, on in (("float-scan", args.float_scan), ("division", args.exact_division)) if on)
-    B, NH, S, DK, DV = 2, 3, 100, 64, 64
-    for seed in range(args.draws):
-        q, k, v, i, f, st = draw(B, NH, S, DK, DV, seed)
+    EXACT.update(name for name, on in (("float-scan", args.float_scan), ("float-log-weights", args.float_log_weights),
+                                       ("division", args.exact_division)) if on)
+    if args.inputs:
+        loaded = [t.detach().float() for t in torch.load(args.inputs)]
+        cases = [("inputs", *loaded[:5], tuple(loaded[5:8]))]
+    else:
+        cases = ((f"draw {seed}", *draw(2, 3, 100, 64, 64, seed)) for seed in range(args.draws))
+    for name, q, k, v, i, f, st in cases:
+        B, NH, S, DK = q.shape
+        DV = v.shape[-1]
         st64 = tuple(t.double() for t in st)
         h64, _ = reference.mlstm_chunkwise(q.double(), k.double(), v.double(), i.double(), f.double(), st64, True)
         hp, _ = reference.mlstm_parallel(q, k, v, i, f, st, True)
@@ -243,8 +258,7 @@ def main() -> None:
                 he[b, hh] = torch.from_numpy(forward_row(
                     q[b, hh].numpy(), k[b, hh].numpy(), v[b, hh].numpy(), i[b, hh].numpy(), f[b, hh].numpy(),
                     st[0][b, hh].numpy(), st[1][b, hh].numpy(), float(st[2][b, hh]), DK ** -0.5))
-        print(f"draw {seed}: PyTorch parallel {rel_err(hp, h64):.2e}, emulated kernels {rel_err(he, h64):.2e}")
-
+        print(f"{name}: PyTorch parallel {rel_err(hp, h64):.2e}, emulated kernels {rel_err(he, h64):.2e}")
 
 if __name__ == "__main__":
     main()

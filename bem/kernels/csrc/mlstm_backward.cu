@@ -16,20 +16,21 @@ using namespace mlstm;
 
 // Per-token quantities of chunk c in shared memory: M_t, 1 / n_t, beta_t (0 beyond the last token),
 // exp(m_c - M_t) and w_t.
-struct TokenTerms {
-  float M[L], inv_n[L], beta[L], inter[L], w_key[L];
+template <typename T> struct TokenTerms {
+  GateT<T> M[L];
+  float inv_n[L], beta[L], inter[L], w_key[L];
 };
 
 template <typename T>
-__device__ __forceinline__ void token_terms(const MlstmGradParams& p, int bh, int c, const float* g_s,
-                                            const float* a_s, const float* pm_s, TokenTerms& tt) {
+__device__ __forceinline__ void token_terms(const MlstmGradParams& p, int bh, int c, const GateT<T>* g_s,
+                                            const GateT<T>* a_s, const GateT<T>* pm_s, TokenTerms<T>& tt) {
   const MlstmShape& sh = p.shape;
   const int tid = threadIdx.x;
   if (tid >= L) return;
   const float m_c = p.m_states[(int64_t)bh * (sh.NC + 1) + c];
   const float m_next = p.m_states[(int64_t)bh * (sh.NC + 1) + c + 1];
   const int token = c * L + tid;
-  const float M = fmaxf(m_c, pm_s[tid]);
+  const GateT<T> M = gmax(static_cast<GateT<T>>(m_c), pm_s[tid]);
   tt.M[tid] = M;
   tt.inter[tid] = wexp<T>(m_c - M);
   tt.w_key[tid] = wexp<T>(g_s[L - 1] + a_s[tid] - m_next);  // 0 beyond the last token
@@ -54,8 +55,9 @@ __global__ void __launch_bounds__(kThreads) mlstm_grad_qk_kernel(const MlstmGrad
   T* p_s = dh_s;
   T* q_s = v_s;
   T* k_s = c_s;
-  __shared__ float g_s[L], a_s[L], pm_s[L], nc_s[64], rn_s[64];
-  __shared__ TokenTerms tt;
+  __shared__ GateT<T> g_s[L], a_s[L], pm_s[L];
+  __shared__ float nc_s[64], rn_s[64];
+  __shared__ TokenTerms<T> tt;
 
   const MlstmShape& sh = p.shape;
   const int c = blockIdx.x, d0 = blockIdx.y * 64, bh = blockIdx.z;
@@ -94,16 +96,49 @@ __global__ void __launch_bounds__(kThreads) mlstm_grad_qk_kernel(const MlstmGrad
   __syncthreads();
 
   // P into shared memory (over dH's tile); dq and dk start from the chunk states' shares.
+  // float16: P can pass float16's range (1 / n_t of 1e5 and more where a denominator nearly cancels under
+  // extreme gates); saturated, its products P K and Pᵀ Q no longer match each other's share of q_t·dq_t and
+  // k_s·dk_s, whose difference the forget gate's gradient sums. So P goes in scaled by a power of two that
+  // brings its largest element below 2^15, and dq and dk take that scale back, exactly. 1 wherever P fits
+  // (every ordinary input), so those results do not change.
+  constexpr bool kScaleP = std::is_same<T, __half>::value;
+  float p_max = 0.f;
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int row = warp * 16 + acc_row(e), col = acc_col(nt, e);
       const float w = col <= row ? (dp[nt][e] * tt.inv_n[row] + tt.beta[row]) * wexp<T>(a_s[col] - tt.M[row]) : 0.f;
-      p_s[row * ST + col] = tile_f<T>(w);
+      if (kScaleP) {
+        dp[nt][e] = w;
+        p_max = fmaxf(p_max, fabsf(w));
+      } else {
+        p_s[row * ST + col] = tile_f<T>(w);
+      }
       dq[nt][e] = tt.inter[row] * (dq[nt][e] * tt.inv_n[row] + tt.beta[row] * nc_s[col]);
       dk[nt][e] = wdiv<T>(tt.w_key[row] * (dk[nt][e] + rn_s[col]), sh.scale);
     }
+  float p_scale = 1.f;
+  if (kScaleP) {
+    __shared__ float warp_max[kThreads / 32];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) p_max = fmaxf(p_max, __shfl_xor_sync(0xffffffffu, p_max, o));
+    if (tid % 32 == 0) warp_max[warp] = p_max;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) p_max = fmaxf(p_max, warp_max[w]);
+    int exponent = 0;
+    frexpf(p_max, &exponent);  // p_max < 2^exponent
+    if (p_max <= 3.0e38f && exponent > 15) p_scale = ldexpf(1.f, 15 - exponent);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        p_s[(warp * 16 + acc_row(e)) * ST + acc_col(nt, e)] = tile_f<T>(dp[nt][e] * p_scale);
+        dq[nt][e] *= p_scale;
+        dk[nt][e] *= p_scale;
+      }
+  }
   const T* q = static_cast<const T*>(p.q) + row_base * sh.DK;
   const T* k = static_cast<const T*>(p.k) + row_base * sh.DK;
   stage_tile(q_s, q, sh.DK, c * L, sh.S, d0, sh.DK, sh.vec_qk);
@@ -112,6 +147,16 @@ __global__ void __launch_bounds__(kThreads) mlstm_grad_qk_kernel(const MlstmGrad
   __syncthreads();
   warp_mma<T, false, true>(dq, p_s, warp * 16, k_s);  // + P K
   warp_mma<T, true, true>(dk, p_s, warp * 16, q_s);   // + Pᵀ Q
+  if (kScaleP && p_scale != 1.f) {
+    const float undo = 1.f / p_scale;  // a power of two: exact
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        dq[nt][e] *= undo;
+        dk[nt][e] *= undo;
+      }
+  }
 
   T* dq_out = static_cast<T*>(p.dq) + row_base * sh.DK;
   T* dk_out = static_cast<T*>(p.dk) + row_base * sh.DK;
@@ -153,8 +198,8 @@ __global__ void __launch_bounds__(kThreads) mlstm_grad_v_kernel(const MlstmGradP
   T* r_s = k_s + tile_elems<T>();           // [d][dv] of R (the gradient of the state after the chunk)
   T* w_s = q_s;
   T* dh_s = k_s;
-  __shared__ float g_s[L], a_s[L], pm_s[L];
-  __shared__ TokenTerms tt;
+  __shared__ GateT<T> g_s[L], a_s[L], pm_s[L];
+  __shared__ TokenTerms<T> tt;
 
   const MlstmShape& sh = p.shape;
   const int c = blockIdx.x, v0 = blockIdx.y * 64, bh = blockIdx.z;

@@ -50,9 +50,16 @@ template <typename T> __device__ __forceinline__ float load_gate(const void* p, 
 // rounding) and its division approximate: the float32 instantiations take exp through double and round
 // their divisions, so that they keep float32's accuracy. 16-bit inputs keep the fast forms, far below
 // their own precision.
-template <typename T> __device__ __forceinline__ float wexp(float x) {
+// The type of the chunk's scanned gates (g, a, pm below) and of the log weights formed from them: double for
+// float32 inputs, float for 16-bit ones.
+template <typename T> using GateT = typename std::conditional<std::is_same<T, float>::value, double, float>::type;
+
+__device__ __forceinline__ float gmax(float x, float y) { return fmaxf(x, y); }
+__device__ __forceinline__ double gmax(double x, double y) { return fmax(x, y); }
+
+template <typename T> __device__ __forceinline__ float wexp(GateT<T> x) {
   if constexpr (std::is_same<T, float>::value) {
-    return static_cast<float>(exp(static_cast<double>(x)));
+    return static_cast<float>(exp(x));
   } else {
     return __expf(x);
   }
@@ -234,13 +241,16 @@ __device__ __forceinline__ ChunkGates load_chunk_gates(const MlstmShape& sh, con
 //   a[t]  = ĩ_t - g[t] (-inf beyond the last token): key t's log weight relative to the chunk's start,
 //   pm[t] = max over s <= t of a[s]: with M_t = max(m_c, pm[t]) the stabiliser of query t is g[t] + M_t.
 // The same arithmetic in the same order in every kernel, so forward and backward agree to the bit.
-// float32 inputs scan in double: the cumulative log-forget reaches tens to hundreds within a chunk, and each
-// float32 addition of the scan costs an ulp of that in every weight exp(a_s - M_t) (measured in an exact
-// float32 emulation of these kernels: 2-3x the PyTorch formulation's error in h, against about 1x with the
-// scan exact). 16-bit inputs keep the float scan, far below their own rounding.
+// float32 inputs scan in double and keep g, a and pm in double (GateT), and the kernels form every log weight
+// (a_s - M_t, m_c - M_t, G + a_s - m_{c+1}) from them in double: a and M reach tens to hundreds within a
+// chunk, so a float32 rounding of either costs an ulp of that, a few 1e-6, in the weight exp(a_s - M_t) of
+// every key, the query's own included; where a token's denominator cancels (|den| far below the sum of its
+// terms) that alone made h err 3x the PyTorch formulation (GPU, S 100, initial state; reproduced bit for
+// bit in scripts/mlstm_float32_emulation.py). 16-bit inputs keep all of it in float, far below their own
+// rounding.
 template <typename T>
-__device__ __forceinline__ void scan_chunk_gates(const ChunkGates& r, float* g, float* a, float* pm) {
-  using Acc = typename std::conditional<std::is_same<T, float>::value, double, float>::type;
+__device__ __forceinline__ void scan_chunk_gates(const ChunkGates& r, GateT<T>* g, GateT<T>* a, GateT<T>* pm) {
+  using Acc = GateT<T>;
   const int lane = threadIdx.x % 32;
   const Acc pair = static_cast<Acc>(r.lf0) + static_cast<Acc>(r.lf1);
   Acc incl = pair;
@@ -252,27 +262,27 @@ __device__ __forceinline__ void scan_chunk_gates(const ChunkGates& r, float* g, 
   Acc before_sum = __shfl_up_sync(0xffffffffu, incl, 1);
   if (lane == 0) before_sum = 0;
   const Acc g0 = before_sum + static_cast<Acc>(r.lf0), g1 = incl;
-  const float a0 = static_cast<float>(static_cast<Acc>(r.i0) - g0);
-  const float a1 = static_cast<float>(static_cast<Acc>(r.i1) - g1);
-  float run = fmaxf(a0, a1);
+  const Acc a0 = static_cast<Acc>(r.i0) - g0;
+  const Acc a1 = static_cast<Acc>(r.i1) - g1;
+  Acc run = gmax(a0, a1);
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
-    const float y = __shfl_up_sync(0xffffffffu, run, o);
-    if (lane >= o) run = fmaxf(run, y);
+    const Acc y = __shfl_up_sync(0xffffffffu, run, o);
+    if (lane >= o) run = gmax(run, y);
   }
-  float before = __shfl_up_sync(0xffffffffu, run, 1);
-  if (lane == 0) before = kNegInf;
-  g[2 * lane] = static_cast<float>(g0);
-  g[2 * lane + 1] = static_cast<float>(g1);
+  Acc before = __shfl_up_sync(0xffffffffu, run, 1);
+  if (lane == 0) before = static_cast<Acc>(kNegInf);
+  g[2 * lane] = g0;
+  g[2 * lane + 1] = g1;
   a[2 * lane] = a0;
   a[2 * lane + 1] = a1;
-  pm[2 * lane] = fmaxf(before, a0);
+  pm[2 * lane] = gmax(before, a0);
   pm[2 * lane + 1] = run;
 }
 
 template <typename T>
 __device__ __forceinline__ void chunk_gates(const MlstmShape& sh, const void* igate, const void* fgate, int bh, int c,
-                                            float* g, float* a, float* pm) {
+                                            GateT<T>* g, GateT<T>* a, GateT<T>* pm) {
   if (threadIdx.x >= 32) return;
   scan_chunk_gates<T>(load_chunk_gates<T>(sh, igate, fgate, bh, c), g, a, pm);
 }

@@ -21,7 +21,8 @@ __global__ void __launch_bounds__(kThreads) mlstm_outputs_kernel(const MlstmOutp
   T* c_s = k_s + tile_elems<T>();           // [d][dv] of C_c
   T* v_s = c_s + tile_elems<T>();           // [token][dv]
   T* p_s = k_s;
-  __shared__ float g_s[L], a_s[L], pm_s[L], n_s[64], qn_s[L];
+  __shared__ GateT<T> g_s[L], a_s[L], pm_s[L];
+  __shared__ float n_s[64], qn_s[L];
 
   const MlstmShape& sh = p.shape;
   const int c = blockIdx.x, v0 = blockIdx.y * 64, bh = blockIdx.z;
@@ -58,11 +59,12 @@ __global__ void __launch_bounds__(kThreads) mlstm_outputs_kernel(const MlstmOutp
   if (tid % 2 == 0) qn_s[tid / 2] = qn;
 
   // P = (Q Kᵀ / √d) ⊙ exp(a_s - M_t), causal, into shared memory (over K's tile); its row sums in float32.
-  float row_sum[2] = {0.f, 0.f}, M[2], inter[2];
+  float row_sum[2] = {0.f, 0.f}, inter[2];
+  GateT<T> M[2];
 #pragma unroll
   for (int hi = 0; hi < 2; ++hi) {
     const int t = warp * 16 + acc_row(2 * hi);
-    M[hi] = fmaxf(m_c, pm_s[t]);
+    M[hi] = gmax(static_cast<GateT<T>>(m_c), pm_s[t]);
     inter[hi] = wexp<T>(m_c - M[hi]) * sh.scale;
   }
 #pragma unroll
@@ -88,7 +90,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_outputs_kernel(const MlstmOutp
   for (int hi = 0; hi < 2; ++hi) {
     const int t = warp * 16 + acc_row(2 * hi), token = c * L + t;
     const float den = inter[hi] * qn_s[t] + row_sum[hi];
-    const float m_t = g_s[t] + M[hi];
+    const float m_t = static_cast<float>(g_s[t] + M[hi]);
     const float inv_n = wdiv<T>(1.f, normaliser<T>(den, m_t));
     if (token < sh.S) {
 #pragma unroll

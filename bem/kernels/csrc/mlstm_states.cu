@@ -26,7 +26,8 @@ __global__ void __launch_bounds__(kThreads) mlstm_states_kernel(const MlstmState
   // w ⊙ v to about 16 bits, so the state (returned in float32) does not carry one 16-bit rounding per term.
   T* lo_s = vals_buf + 2 * tile_elems<T>();
   constexpr bool kSplit = sizeof(T) == 2;
-  __shared__ float g_s[L], a_s[L], pm_s[L], w_s[L], wn_s[L];
+  __shared__ GateT<T> g_s[L], a_s[L], pm_s[L];
+  __shared__ float w_s[L], wn_s[L];
   __shared__ float n_part[2][64];
   __shared__ float step_s[2];  // decay of the carried state, next stabiliser
 
@@ -93,17 +94,17 @@ __global__ void __launch_bounds__(kThreads) mlstm_states_kernel(const MlstmState
     if (tid < L) {
       const int t = c * L + tid;
       if (!p.reverse) {
-        const float M = fmaxf(m, pm_s[L - 1]);
+        const GateT<T> M = gmax(static_cast<GateT<T>>(m), pm_s[L - 1]);
         const float w = wexp<T>(a_s[tid] - M);  // 0 beyond the last token (a = -inf)
         w_s[tid] = w;
         wn_s[tid] = w;
         if (tid == 0) {
           step_s[0] = wexp<T>(m - M);
-          step_s[1] = g_s[L - 1] + M;
+          step_s[1] = static_cast<float>(g_s[L - 1] + M);
         }
       } else {
         const float m_c = p.m_states[(int64_t)bh * (sh.NC + 1) + c];
-        const float M = fmaxf(m_c, pm_s[tid]);
+        const GateT<T> M = gmax(static_cast<GateT<T>>(m_c), pm_s[tid]);
         float w = 0.f, wn = 0.f;
         if (t < sh.S) {
           const int64_t row = (int64_t)bh * sh.S + t;
