@@ -168,6 +168,10 @@ class BEMLinear(nn.Module):
         dtype = torch.get_autocast_dtype(x.device.type)
         weight = self.base_layer.weight
         plain = self.owns_product and not (self.has_dropout and self.training)
+        if plain and weight.dtype == dtype and x.dtype == torch.float32:
+            # a float32 input (GPT-2's LayerNorm returns one under autocast): autocast's own linear would
+            # multiply it in the autocast dtype, so the fused call takes it cast, and returns what that returns
+            x = x.to(dtype)
         if x.dtype == dtype and weight.dtype == dtype and plain:
             codes = None if codes is None else codes.to(dtype)
             with torch.autocast(x.device.type, enabled=False):

@@ -68,11 +68,13 @@ def test_fused_model_trains_like_reference():
 
 
 def test_fused_model_trains_in_bf16_like_reference_with_and_without_checkpointing():
-    """bf16 training at prefill sizes takes the eager autograd path straight onto the extension; with the
-    frozen base recomputed in backward (activation checkpointing) the gradients are the same."""
+    """bf16 training at prefill sizes takes the eager autograd path straight onto the extension: the adapters'
+    gradients err against a float64 copy at most twice what the reference path errs in bf16, and with the
+    frozen base recomputed in backward (activation checkpointing) they stay the same."""
     from bem.training.model_factory import enable_gradient_checkpointing
 
     fused, plain = _wrapped_pair(torch.bfloat16)
+    exact = copy.deepcopy(plain).double()
     ids = torch.randint(3, 101, (2, 200), device="cuda")
 
     def grads(model):
@@ -81,13 +83,14 @@ def test_fused_model_trains_in_bf16_like_reference_with_and_without_checkpointin
         model(input_ids=ids, labels=ids).loss.backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    plain_grads, fused_grads = grads(plain), grads(fused)
+    exact_grads, plain_grads, fused_grads = grads(exact), grads(plain), grads(fused)
     enable_gradient_checkpointing(fused.base_model)
     recomputed = grads(fused)
     assert fused_grads.keys() == plain_grads.keys() == recomputed.keys() and any("bem_U" in n for n in fused_grads)
     for name in fused_grads:
-        if name.endswith(("bem_U", "bem_V")):  # the controller's own gradients can be tiny: compared below only
-            assert _rel(fused_grads[name], plain_grads[name]) < 5e-2, name
+        if name.endswith(("bem_U", "bem_V")):
+            torch_err = _rel(plain_grads[name], exact_grads[name])
+            assert _rel(fused_grads[name], exact_grads[name]) <= 2 * max(torch_err, 2**-9), name
         assert _rel(recomputed[name], fused_grads[name]) < 1e-2, name
 
 
