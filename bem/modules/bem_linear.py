@@ -164,15 +164,15 @@ class BEMLinear(nn.Module):
 
     def _forward_autocast(self, x: torch.Tensor, codes: Optional[torch.Tensor]) -> torch.Tensor:
         """Under autocast the update runs in the autocast dtype, as `F.linear` does: only the small
-        V, U and codes are cast (e.g. fp32 adapter weights on a bf16 base), never x or W."""
+        V, U and codes are cast (e.g. fp32 adapter weights on a bf16 base), never W, and x only from float32, as
+        autocast's linear casts it."""
         dtype = torch.get_autocast_dtype(x.device.type)
         weight = self.base_layer.weight
         plain = self.owns_product and not (self.has_dropout and self.training)
-        if plain and weight.dtype == dtype and x.dtype == torch.float32:
-            # a float32 input (GPT-2's LayerNorm returns one under autocast): autocast's own linear would
-            # multiply it in the autocast dtype, so the fused call takes it cast, and returns what that returns
+        # a float32 input (GPT-2's LayerNorm returns one under autocast) is what autocast's own linear would
+        # multiply in the autocast dtype: the fused call takes it cast, and returns what that returns
+        if plain and weight.dtype == dtype and x.dtype in (dtype, torch.float32):
             x = x.to(dtype)
-        if x.dtype == dtype and weight.dtype == dtype and plain:
             codes = None if codes is None else codes.to(dtype)
             with torch.autocast(x.device.type, enabled=False):
                 return self._fused(x, self.bem_V.to(dtype), codes, self.bem_U.to(dtype))
