@@ -73,6 +73,8 @@ def worker_arguments(config_arg: Optional[str], setup: str, strategy: str, args:
             forwarded += [flag, str(value)]
     if args.gradient_checkpointing:
         forwarded.append("--gradient-checkpointing")
+    if getattr(args, "profile", None) is not None:
+        forwarded += ["--profile", str(args.profile)]
     return forwarded
 
 
@@ -156,8 +158,45 @@ def _wrap(variant: str, base: torch.nn.Module, config) -> torch.nn.Module:
     return lora_on(base, plan_targets(base, bem_config).names, bem_config)  # the linears BEM wraps
 
 
+def _sharded_fraction(model: torch.nn.Module) -> float:
+    """The share of the prepared model's parameter elements held as FSDP shards (DTensors)."""
+    from bem.training.distributed import _dtensor_class
+
+    dtensor = _dtensor_class()
+    total = sharded = 0
+    for parameter in model.parameters():
+        total += parameter.numel()
+        sharded += parameter.numel() if dtensor is not None and isinstance(parameter, dtensor) else 0
+    return sharded / max(total, 1)
+
+
+def _profile_steps(step, first: int, count: int, path: Path, title: str) -> None:
+    """`count` more steps under torch.profiler; the operators with the most device time, then the most host
+    time, and the device's busy time, written to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    started = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for index in range(count):
+            step(first + index)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - started
+    averages = prof.key_averages()
+    device_us = sum(getattr(e, "self_device_time_total", 0) for e in averages)
+    lines = [title, f"{count} steps, {1e3 * wall:.1f} ms of wall time (profiled); device self time summed over "
+                    f"kernels {device_us / 1e3:.1f} ms (overlapping streams count twice)", ""]
+    if torch.cuda.is_available():
+        lines += [averages.table(sort_by="self_cuda_time_total", row_limit=30), ""]
+    lines += [averages.table(sort_by="self_cpu_time_total", row_limit=30)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
 def _run_variant(variant: str, accelerator, config, setup, strategy: str, batches: list[torch.Tensor],
-                 warmup: int, repeats: int, checkpointing: bool) -> dict[str, Any]:
+                 warmup: int, repeats: int, checkpointing: bool, profile_dir: Optional[Path] = None,
+                 ) -> dict[str, Any]:
     from bem.profiling.models import load_base_model
     from bem.training import distributed
     from bem.training.optim import param_groups, trainable_parameters
@@ -175,6 +214,7 @@ def _run_variant(variant: str, accelerator, config, setup, strategy: str, batche
     model.train()
     whole: list[torch.nn.Parameter] = []
     if strategy == "fsdp":
+        distributed.shard_on_cpu(accelerator)  # the last variant's prepare turned a CPU run back to plain DDP
         controller = getattr(model, "controller", None) if variant == "bem" else None
         if controller is not None:
             whole = distributed.keep_whole(accelerator, [controller])
@@ -182,6 +222,7 @@ def _run_variant(variant: str, accelerator, config, setup, strategy: str, batche
             accelerator.state.fsdp_plugin.ignored_modules = None  # the last variant's choice does not carry over
     optimizer = torch.optim.AdamW(param_groups(trainable_parameters(model), whole), lr=config.train.learning_rate)
     model, optimizer = accelerator.prepare(model, optimizer)
+    sharded = _sharded_fraction(model)
 
     losses: list[float] = []
 
@@ -213,6 +254,14 @@ def _run_variant(variant: str, accelerator, config, setup, strategy: str, batche
         sync()
         times.append(time.perf_counter() - started)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else -1
+    if profile_dir is not None:  # every process steps (the collectives need all); process 0 writes
+        path = Path(profile_dir) / f"{setup.name}_{strategy}_{variant}.txt"
+        if accelerator.is_main_process:
+            _profile_steps(step, warmup + repeats, 2, path, f"{variant}, {strategy}, {setup.name}, process 0")
+        else:
+            for index in range(2):
+                step(warmup + repeats + index)
+        sync()
     gathered = accelerator.gather(torch.tensor([times + [float(peak)]], device=device, dtype=torch.float64)).cpu()
     per_step = gathered[:, :-1].max(0).values.tolist()  # the slowest process sets each step's time
     peaks = [int(p) for p in gathered[:, -1].tolist()]
@@ -225,7 +274,7 @@ def _run_variant(variant: str, accelerator, config, setup, strategy: str, batche
         "tokens_per_s": tokens / step_s, "tokens_per_s_per_process": tokens / step_s / processes,
         "step_ms": [1e3 * t for t in per_step],
         "peak_bytes_by_process": None if peaks[0] < 0 else peaks,
-        "losses": losses, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "sharded_fraction": sharded, "losses": losses, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
     accelerator.free_memory(model, optimizer)
     del model, optimizer
@@ -259,7 +308,8 @@ def worker_main(args: argparse.Namespace, config) -> int:
     for variant in VARIANTS:
         set_seed(config.seed)  # the same base and adapter initialisation on every process
         rows.append(_run_variant(variant, accelerator, config, setup, args.worker, batches,
-                                 max(1, config.timing.warmup), args.repeats or 10, args.gradient_checkpointing))
+                                 max(1, config.timing.warmup), args.repeats or 10, args.gradient_checkpointing,
+                                 args.profile))
         free_device_memory()
     if accelerator.is_main_process and args.worker_out is not None:
         Path(args.worker_out).write_text(json.dumps({"rows": rows}))

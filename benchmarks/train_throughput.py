@@ -65,6 +65,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="above 1: train under `accelerate launch` with this many processes (one per GPU), with "
                              "each of --strategies, and once with one process (train_multiprocess.py)")
     parser.add_argument("--strategies", default="ddp,fsdp", help="with --processes: comma-separated, of ddp, fsdp")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="with --processes: after the timed steps, trace two more under torch.profiler and write "
+                             "process 0's busiest operators per launch and variant into DIR")
     # set by the launches of --processes: this process is one of them
     parser.add_argument("--worker", choices=("one", "ddp", "fsdp"), help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)

@@ -9,6 +9,8 @@
 # A step that would not fit in the time left is skipped and says so. Logs and metrics under $OUT.
 #   STEPS (default 16) optimizer steps per training run; LOG_EVERY (2): the first window is warm-up, left out.
 #   REPEATS (5): timed steps per variant in the benchmark. SKIP=tests,bench,train leaves steps out.
+#   PROFILE=1: the benchmark also traces two steps per launch and variant (operator tables in $OUT/profile).
+#   TRAIN_STRATEGIES (default "ddp fsdp"): the `bem train` launches on two GPUs.
 set -o pipefail
 OUT=${OUT:-out}
 STEPS=${STEPS:-16}
@@ -54,7 +56,8 @@ fi
 
 skipped bench || run throughput 300 python3 benchmarks/train_throughput.py --processes 2 \
     --config configs/profile_llama_1b.yaml --setups autocast --batch-size 4 --seq-len 2048 \
-    --gradient-checkpointing --repeats "${REPEATS:-5}" --json "$OUT/processes.json"
+    --gradient-checkpointing --repeats "${REPEATS:-5}" --json "$OUT/processes.json" \
+    ${PROFILE:+--profile "$OUT/profile"}
 
 CONFIG=configs/train_llama_1b.yaml
 COMMON=(training.max_steps="$STEPS" training.batch_size=4 data.max_length=2048 data.packing=true data.eval=null
@@ -65,7 +68,7 @@ LAUNCH=(accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed
 if ! skipped train; then
     run train_one 100 env CUDA_VISIBLE_DEVICES=0 python3 -m bem train "$CONFIG" "${COMMON[@]}" \
         training.gradient_accumulation_steps=2 training.output_dir="$OUT/one"
-    for strategy in ddp fsdp; do
+    for strategy in ${TRAIN_STRATEGIES:-ddp fsdp}; do
         run "train_$strategy" 100 env CUDA_VISIBLE_DEVICES=0,1 "${LAUNCH[@]}" "$CONFIG" "${COMMON[@]}" \
             training.gradient_accumulation_steps=1 training.distributed="$strategy" \
             training.output_dir="$OUT/$strategy"

@@ -73,8 +73,10 @@ def test_bad_setups_and_configs_exit_2(capsys):
 def test_two_processes_under_fsdp_against_one_for_bem_and_lora(tmp_path, capsys):
     """`--processes 2`: the one-process launch and an FSDP launch of two processes (gloo), BEM and LoRA in each."""
     out = tmp_path / "processes.json"
+    profiles = tmp_path / "profiles"
     assert bench.main(["--processes", "2", "--strategies", "fsdp", "--setups", "bf16", "--device", "cpu",
-                       "--batch-size", "2", "--seq-len", "16", "--repeats", "2", "--json", str(out)]) == 0
+                       "--batch-size", "2", "--seq-len", "16", "--repeats", "2", "--json", str(out),
+                       "--profile", str(profiles)]) == 0
     table = capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]
     assert [(r["strategy"], r["processes"], r["variant"]) for r in rows] == [
@@ -92,6 +94,18 @@ def test_two_processes_under_fsdp_against_one_for_bem_and_lora(tmp_path, capsys)
         # process 0 draws the same first batch and builds the same model in both launches
         assert by["fsdp", variant]["losses"][0] == pytest.approx(by["one", variant]["losses"][0], abs=1e-2)
     assert any(line.split()[:4] == ["bf16", "fsdp", "2", "bem"] for line in table.splitlines())
+    # both variants of the FSDP launch are sharded (the second prepare of a CPU run once fell back to DDP);
+    # BEM's controller stays whole, a small share of its parameters
+    assert by["one", "bem"]["sharded_fraction"] == by["one", "lora"]["sharded_fraction"] == 0
+    assert by["fsdp", "lora"]["sharded_fraction"] == 1.0
+    assert 0.9 < by["fsdp", "bem"]["sharded_fraction"] < 1.0
+    # --profile: two more traced steps per launch and variant, process 0's operator tables
+    for strategy in ("one", "fsdp"):
+        for variant in ("bem", "lora"):
+            text = (profiles / f"bf16_{strategy}_{variant}.txt").read_text()
+            assert text.startswith(f"{variant}, {strategy}, bf16, process 0") and "aten::mm" in text
+            assert ("FSDP::all_gather" in text) == (strategy == "fsdp")
+            assert len(by[strategy, variant]["losses"]) == len(by[strategy, variant]["step_ms"]) + 1 + 2
 
 
 def test_bad_process_settings_are_refused(capsys):

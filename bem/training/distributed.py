@@ -25,7 +25,6 @@ USE_FSDP = "ACCELERATE_USE_FSDP"  # set by `accelerate launch --use_fsdp` (and b
 def make_accelerator(training: TrainingSection):
     """An `Accelerator` set up for `training.distributed`; FSDP is on when more than one process runs."""
     from accelerate import Accelerator
-    from accelerate.utils import DistributedType
 
     launcher_fsdp = os.environ.get(USE_FSDP)
     if (launcher_fsdp or "").lower() == "true" and training.distributed != "fsdp":
@@ -39,13 +38,21 @@ def make_accelerator(training: TrainingSection):
     if plugin is not None and launcher_fsdp is None:
         # accelerate records the plugin in the environment; the next run in this process chooses for itself
         os.environ.pop(USE_FSDP, None)
-    state = accelerator.state
-    if plugin is not None and state.distributed_type == DistributedType.MULTI_CPU:
-        # accelerate turns FSDP on for accelerators only and drops the plugin of a CPU run with several
-        # processes; its FSDP2 code runs on CPU over gloo as it is, so hand it the plugin here
-        state.distributed_type = DistributedType.FSDP
-        state.fsdp_plugin = plugin
+    if plugin is not None:
+        shard_on_cpu(accelerator, plugin)
     return accelerator
+
+
+def shard_on_cpu(accelerator, plugin=None) -> None:
+    """accelerate turns FSDP on for accelerators only and drops the plugin of a CPU run with several processes;
+    its FSDP2 code runs on CPU over gloo as it is, so hand it the plugin. `prepare` turns a CPU run back to
+    plain multi-process, so a process that prepares a second model calls this again before it."""
+    from accelerate.utils import DistributedType
+
+    state = accelerator.state
+    if state.distributed_type == DistributedType.MULTI_CPU:
+        state.fsdp_plugin = plugin if plugin is not None else state.fsdp_plugin
+        state.distributed_type = DistributedType.FSDP
 
 
 def fsdp_plugin(training: TrainingSection):
