@@ -52,28 +52,6 @@ def test_run_layout_and_checkpoints(trained_run):
     assert state["step"] == 40
 
 
-def test_tokens_seen_agree_between_the_metrics_and_the_checkpoints(trained_run):
-    """The steps' counts are read back from the device at log lines and checkpoints only; every reader agrees."""
-    records = [json.loads(line) for line in (trained_run / "metrics.jsonl").read_text().splitlines()]
-    seen = {r["step"]: r["tokens_seen"] for r in records if "tokens_seen" in r}
-    assert sorted(seen) == list(range(5, 41, 5))
-    assert all(b > a > 0 for a, b in zip(list(seen.values()), list(seen.values())[1:]))
-    for step in (20, 40):
-        state = json.loads((trained_run / f"checkpoints/step-{step:08d}/trainer_state.json").read_text())
-        assert state["tokens_seen"] == seen[step]
-
-
-def test_pending_steps_read_the_latest_loss_and_the_summed_counts():
-    from bem.training.trainer import PendingSteps
-
-    pending = PendingSteps()
-    assert pending.read(1.5) == (1.5, 0, 0)  # nothing pending: the last loss read stays
-    pending.add(torch.tensor(2.0, dtype=torch.float64), torch.tensor([10, 12]))
-    pending.add(torch.tensor(1.25, dtype=torch.float64), torch.tensor([7, 9]))
-    assert pending.read(float("nan")) == (1.25, 17, 21)
-    assert pending.read(1.25) == (1.25, 0, 0)  # read once
-
-
 def test_adapter_reloads_onto_the_saved_base(trained_run):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM

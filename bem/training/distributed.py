@@ -25,7 +25,6 @@ USE_FSDP = "ACCELERATE_USE_FSDP"  # set by `accelerate launch --use_fsdp` (and b
 def make_accelerator(training: TrainingSection):
     """An `Accelerator` set up for `training.distributed`; FSDP is on when more than one process runs."""
     from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration
 
     launcher_fsdp = os.environ.get(USE_FSDP)
     if (launcher_fsdp or "").lower() == "true" and training.distributed != "fsdp":
@@ -34,10 +33,8 @@ def make_accelerator(training: TrainingSection):
                                                   "training.distributed=fsdp, or launch without FSDP")
     plugin = fsdp_plugin(training) if training.distributed == "fsdp" else None
     # rng_types=[]: the data order comes from EpochSampler alone; accelerate must not reseed anything
-    # non_blocking: batches from pinned memory (the trainer's loader pins on GPUs) go to the device without the
-    # host waiting for it
     accelerator = Accelerator(mixed_precision=training.mixed_precision, cpu=training.cpu, rng_types=[],
-                              fsdp_plugin=plugin, dataloader_config=DataLoaderConfiguration(non_blocking=True))
+                              fsdp_plugin=plugin)
     if plugin is not None and launcher_fsdp is None:
         # accelerate records the plugin in the environment; the next run in this process chooses for itself
         os.environ.pop(USE_FSDP, None)
@@ -109,50 +106,6 @@ def average_gradients(params: Sequence[nn.Parameter], world_size: int) -> None:
     for grad in grads:
         grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
         offset += grad.numel()
-
-
-def clip_grad_norm(params: Sequence[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """`torch.nn.utils.clip_grad_norm_` (the 2-norm) over FSDP's sharded gradients and the whole ones of what
-    FSDP leaves whole, on plain tensors: each process's shards' squared norms summed over the processes in one
-    all-reduce, the whole gradients (equal on every process once averaged) counted once. The same total norm and
-    scaling as the sharded tensors' own clipping, at a fraction of its host time (its dispatch runs once per
-    multi-tensor operation and tensor kind). Returns the total norm."""
-    import torch.distributed as dist
-
-    dtensor = _dtensor_class()
-    shards, whole = [], []
-    with torch.no_grad():
-        for param in params:
-            grad = param.grad
-            if grad is None:
-                continue
-            if dtensor is not None and isinstance(grad, dtensor):
-                shards.append(grad.to_local())
-            else:
-                whole.append(grad)
-        grads = shards + whole
-        if not grads:
-            return torch.zeros(())
-        device = grads[0].device
-
-        def squared(tensors: list[torch.Tensor]) -> torch.Tensor:
-            if not tensors:
-                return torch.zeros((), device=device, dtype=torch.float32)
-            norms = torch._foreach_norm(tensors, 2.0)
-            return torch.stack([n.to(device=device, dtype=torch.float32) for n in norms]).square().sum()
-
-        total = squared(shards)
-        if shards and dist.is_available() and dist.is_initialized():
-            dist.all_reduce(total)  # each process holds other rows of the sharded gradients
-        total = (total + squared(whole)).sqrt()
-        # as torch clips: scale by max_norm / (norm + 1e-6) where that is below one, on the device (no sync)
-        coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        by_kind: dict[tuple, list[torch.Tensor]] = {}
-        for grad in grads:
-            by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
-        for (kind_device, kind_dtype), group in by_kind.items():
-            torch._foreach_mul_(group, coefficient.to(device=kind_device, dtype=kind_dtype))
-    return total
 
 
 def forget_kept_transposes(model: nn.Module) -> None:

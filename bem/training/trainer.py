@@ -61,28 +61,6 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-class PendingSteps:
-    """The optimizer steps' losses and token counts, kept on the device until a log line or a checkpoint needs
-    them: reading them back after every step would make the host wait for the device once per step, and the
-    device then idle while the host starts the next (under FSDP: until the first blocks are gathered)."""
-
-    def __init__(self) -> None:
-        self._loss: Optional[torch.Tensor] = None
-        self._counts: Optional[torch.Tensor] = None
-
-    def add(self, loss: torch.Tensor, counts: torch.Tensor) -> None:
-        self._loss = loss
-        self._counts = counts if self._counts is None else self._counts + counts
-
-    def read(self, last_loss: float) -> tuple[float, int, int]:
-        """(the latest step's loss, target tokens, input tokens since the last read); one wait for the device."""
-        if self._counts is None:
-            return last_loss, 0, 0
-        values = torch.cat([self._loss.reshape(1).double(), self._counts.double()]).cpu()
-        self._loss = self._counts = None
-        return float(values[0]), int(values[1]), int(values[2])
-
-
 class Trainer:
     def __init__(self, config: TrainConfig, echo: Callable[[str], None] = print) -> None:
         from accelerate.utils import set_seed
@@ -138,8 +116,7 @@ class Trainer:
         optimizer = build_optimizer(params, training, apart=self.whole_params)
         self.sampler = EpochSampler(len(self.train_examples), training.seed)
         loader = torch.utils.data.DataLoader(self.train_examples, batch_size=training.batch_size, sampler=self.sampler,
-                                             drop_last=True, collate_fn=Collator(self.tokenizer.pad_token_id),
-                                             pin_memory=self.accelerator.device.type == "cuda")
+                                             drop_last=True, collate_fn=Collator(self.tokenizer.pad_token_id))
         self.model, self.optimizer, self.loader = self.accelerator.prepare(model, optimizer, loader)
         accumulation = training.gradient_accumulation_steps
         self.micro_per_epoch = len(self.loader) // accumulation * accumulation
@@ -288,19 +265,13 @@ class Trainer:
         batches = self._micro_batches(state)
         loss_value, eval_result = float("nan"), None
         window_start, window_tokens = time.perf_counter(), 0
-        pending = PendingSteps()
         self.model.train()
         while step < self.total_steps and (stop_at_step is None or step < stop_at_step):
-            pending.add(*self._optimizer_step([next(batches) for _ in range(training.gradient_accumulation_steps)]))
+            loss_value, counts = self._optimizer_step([next(batches) for _ in range(training.gradient_accumulation_steps)])
             step += 1
-            final = step == self.total_steps
-            log_now = step % training.log_every == 0 or final
-            save_now = bool(training.save_every and step % training.save_every == 0) or final
-            if log_now or save_now:
-                loss_value, seen, window = pending.read(loss_value)
-                tokens_seen += seen
-                window_tokens += window
-            if log_now:
+            tokens_seen += int(counts[0])
+            window_tokens += int(counts[1])
+            if step % training.log_every == 0 or step == self.total_steps:
                 elapsed = max(time.perf_counter() - window_start, 1e-9)
                 record = {"step": step, "loss": loss_value, "lr": self.scheduler.get_last_lr()[0],
                           "tokens_per_s": window_tokens / elapsed, "tokens_seen": tokens_seen,
@@ -313,19 +284,19 @@ class Trainer:
                 window_start, window_tokens = time.perf_counter(), 0
             if progress is not None:
                 progress.update(1)
+            final = step == self.total_steps
             if (training.eval_every and step % training.eval_every == 0) or final:
                 eval_result = self.evaluate()
                 if eval_result is not None and self.is_main:
                     metrics.write({"step": step, **eval_result})
                     self._write(f"step {step}: {format_summary(eval_result)}", progress)
-            if save_now:
+            if (training.save_every and step % training.save_every == 0) or final:
                 path = self.save_checkpoint(step, tokens_seen)
                 self._write(f"saved checkpoint {path}", progress)
         if progress is not None:
             progress.close()
         metrics.close()
         if step < self.total_steps:
-            loss_value, _, _ = pending.read(loss_value)
             return TrainResult(None, step, loss_value, None, self.is_main)
         adapter_dir = self.output_dir / "adapter"
         if self.sharded:
@@ -341,9 +312,8 @@ class Trainer:
         return TrainResult(adapter_dir, step, loss_value, None if eval_result is None else eval_result["eval_loss"],
                            self.is_main)
 
-    def _optimizer_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over `micro_batches`; returns the global mean loss and the (target, input) token
-        counts, both left on the device (`PendingSteps` reads them back)."""
+    def _optimizer_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, torch.Tensor]:
+        """One optimizer step over `micro_batches`; returns the global mean loss and (target, input) tokens."""
         accelerator = self.accelerator
         local = torch.stack([sum(target_token_count(b["labels"]) for b in micro_batches),
                              sum(b["attention_mask"].sum() for b in micro_batches)]).to(accelerator.device)
@@ -363,14 +333,12 @@ class Trainer:
         if self.whole_params:  # what FSDP leaves whole, it does not reduce either
             distributed.average_gradients(self.whole_params, accelerator.num_processes)
         if self.config.training.max_grad_norm is not None:
-            if self.sharded:
-                distributed.clip_grad_norm(self.params, self.config.training.max_grad_norm)
-            else:
-                accelerator.clip_grad_norm_(self.params, self.config.training.max_grad_norm)
+            accelerator.clip_grad_norm_(self.params, self.config.training.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return accelerator.reduce(loss_sum, "sum") / counts[0].clamp_min(1), counts
+        loss = float(accelerator.reduce(loss_sum, "sum") / counts[0].clamp_min(1))
+        return loss, counts.cpu()
 
     # ------------------------------------------------------------------ output
     def _peak_memory(self) -> dict[str, Any]:
