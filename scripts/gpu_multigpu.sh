@@ -10,7 +10,8 @@
 #   STEPS (default 16) optimizer steps per training run; LOG_EVERY (2): the first window is warm-up, left out.
 #   REPEATS (5): timed steps per variant in the benchmark. SKIP=tests,bench,train leaves steps out.
 #   PROFILE=1: the benchmark also traces two steps per launch and variant (operator tables in $OUT/profile).
-#   TRAIN_STRATEGIES (default "ddp fsdp"): the `bem train` launches on two GPUs.
+#   TRAIN_STRATEGIES (default "ddp fsdp"): the `bem train` launches on two GPUs. TESTS_K, TEST_ROUNDS: which
+#   two-GPU tests run (pytest -k), and how many times.
 set -o pipefail
 OUT=${OUT:-out}
 STEPS=${STEPS:-16}
@@ -48,8 +49,13 @@ if [ -z "${SKIP_BUILD:-}" ] || ! ls bem/_C*.so >/dev/null 2>&1; then
 fi
 # BEM_DISABLE_KERNELS: a test process must not load the extension the build finishes meanwhile (a run and its
 # resumption would then compute with different kernels)
-skipped tests || run gpu_tests 240 env BEM_DISABLE_KERNELS=1 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
-    tests/test_training_multiprocess.py
+# TESTS_K picks tests by pytest's -k; TEST_ROUNDS (default 1) runs them that many times (is a failure flaky?)
+if ! skipped tests; then
+    for round in $(seq "${TEST_ROUNDS:-1}"); do
+        run "gpu_tests_$round" 240 env BEM_DISABLE_KERNELS=1 python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+            --tb=short ${TESTS_K:+-k "$TESTS_K"} tests/test_training_multiprocess.py
+    done
+fi
 if [ -n "${build_pid:-}" ]; then
     wait "$build_pid" || build_rc=$?
     SUMMARY+=("$(cat "$OUT/build.status")")
