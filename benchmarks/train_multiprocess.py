@@ -214,7 +214,7 @@ def _run_variant(variant: str, accelerator, config, setup, strategy: str, batche
     model.train()
     whole: list[torch.nn.Parameter] = []
     if strategy == "fsdp":
-        distributed.shard_on_cpu(accelerator)  # the last variant's prepare turned a CPU run back to plain DDP
+        distributed.shard_on_cpu(accelerator)  # a CPU run stays FSDP for every variant
         controller = getattr(model, "controller", None) if variant == "bem" else None
         if controller is not None:
             whole = distributed.keep_whole(accelerator, [controller])

@@ -57,7 +57,8 @@ def train_and_write_each_adapter(self, stop_at_step=None):
     groups = [{isinstance(p, DTensor) for p in group["params"]} for group in self.optimizer.param_groups]
     record = {"numel": sum(p.numel() for p in params), "held": sum(p.numel() for p in held),
               "frozen_sharded": all(isinstance(p, DTensor) for p in params if not p.requires_grad),
-              "groups_mix_sharded_and_whole": any(len(kinds) > 1 for kinds in groups)}
+              "groups_mix_sharded_and_whole": any(len(kinds) > 1 for kinds in groups),
+              "accelerate_fsdp2": bool(self.accelerator.is_fsdp2)}
     (self.output_dir / f"rank{rank}.json").write_text(json.dumps(record))
     return result
 
@@ -224,6 +225,9 @@ def test_fsdp_shards_the_frozen_base_as_well(run):
             assert record["held"] == record["numel"] and not record["frozen_sharded"]
         else:  # about half of everything; the controller is whole on each process
             assert record["frozen_sharded"] and record["held"] < 0.6 * record["numel"]
+        # accelerate's later calls take their FSDP paths on the CPU too, as on GPUs (its prepare had turned a CPU
+        # run back to plain multi-process)
+        assert record["accelerate_fsdp2"] == (strategy == "fsdp")
         # a GPU's multi-tensor optimizer step refuses a group that mixes the two (the CPU's does not run)
         assert not record["groups_mix_sharded_and_whole"]
 

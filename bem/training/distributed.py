@@ -45,14 +45,18 @@ def make_accelerator(training: TrainingSection):
 
 def shard_on_cpu(accelerator, plugin=None) -> None:
     """accelerate turns FSDP on for accelerators only and drops the plugin of a CPU run with several processes;
-    its FSDP2 code runs on CPU over gloo as it is, so hand it the plugin. `prepare` turns a CPU run back to
-    plain multi-process, so a process that prepares a second model calls this again before it."""
+    its FSDP2 code runs on CPU over gloo as it is, so hand it the plugin, for the whole run: `prepare`, the
+    accumulation steps' `no_sync` and the gradient clipping then take the same paths as on GPUs. Idempotent."""
+    from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
     state = accelerator.state
     if state.distributed_type == DistributedType.MULTI_CPU:
         state.fsdp_plugin = plugin if plugin is not None else state.fsdp_plugin
         state.distributed_type = DistributedType.FSDP
+        # each new AcceleratorState() (accelerate makes them as it goes) copies the process state's type over its
+        # own: set it there as well, or the run turns back to plain multi-process at the next one
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
 def fsdp_plugin(training: TrainingSection):
