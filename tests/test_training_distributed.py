@@ -58,3 +58,36 @@ def test_kept_transposes_are_dropped_before_an_evaluation_under_fsdp():
     assert torch.equal(layer._v_t.get(V), kept)  # the stale copy that must not be read
     forget_kept_transposes(model)
     assert torch.equal(layer._v_t.get(V), V.detach().t())
+
+
+def _fsdp_then_ddp(rank: int, world: int, port: int, out: str) -> None:
+    """One of two gloo processes: an FSDP accelerator, then a DDP one in the same process."""
+    import json
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    kinds = []
+    for strategy in ("fsdp", "ddp"):
+        accelerator = make_accelerator(TrainingSection(cpu=True, distributed=strategy))
+        kinds.append([str(accelerator.distributed_type), bool(accelerator.is_fsdp2)])
+    if rank == 0:
+        with open(out, "w") as handle:
+            json.dump(kinds, handle)
+
+
+def test_a_ddp_run_after_an_fsdp_run_in_one_cpu_process_is_plain_ddp(tmp_path):
+    """FSDP on CPU sets accelerate's process-wide state; the next run in the process must not inherit it."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tmp_path / "kinds.json"
+    mp.spawn(_fsdp_then_ddp, args=(2, port, str(out)), nprocs=2, join=True)
+    (fsdp_kind, fsdp2), (ddp_kind, ddp_fsdp2) = json.loads(out.read_text())
+    assert fsdp2 and fsdp_kind.endswith("FSDP")
+    assert not ddp_fsdp2 and ddp_kind.endswith("MULTI_CPU")

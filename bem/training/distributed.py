@@ -32,6 +32,8 @@ def make_accelerator(training: TrainingSection):
                                                   "--use_fsdp, or an accelerate config with FSDP); set "
                                                   "training.distributed=fsdp, or launch without FSDP")
     plugin = fsdp_plugin(training) if training.distributed == "fsdp" else None
+    if plugin is None:
+        unshard_on_cpu()  # an earlier FSDP run on CPU in this process left accelerate's process state at FSDP
     # rng_types=[]: the data order comes from EpochSampler alone; accelerate must not reseed anything
     accelerator = Accelerator(mixed_precision=training.mixed_precision, cpu=training.cpu, rng_types=[],
                               fsdp_plugin=plugin)
@@ -57,6 +59,18 @@ def shard_on_cpu(accelerator, plugin=None) -> None:
         # each new AcceleratorState() (accelerate makes them as it goes) copies the process state's type over its
         # own: set it there as well, or the run turns back to plain multi-process at the next one
         PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+def unshard_on_cpu() -> None:
+    """Undo `shard_on_cpu` for the next run in this process: plain multi-process again."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    shared = PartialState._shared_state
+    if shared.get("distributed_type") == DistributedType.FSDP and getattr(shared.get("device"), "type", None) == "cpu":
+        shared["distributed_type"] = DistributedType.MULTI_CPU
+        if AcceleratorState._shared_state:
+            AcceleratorState._shared_state["distributed_type"] = DistributedType.MULTI_CPU
 
 
 def fsdp_plugin(training: TrainingSection):
