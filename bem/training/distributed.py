@@ -54,7 +54,8 @@ def shard_on_cpu(accelerator, plugin=None) -> None:
 
     state = accelerator.state
     if state.distributed_type == DistributedType.MULTI_CPU:
-        state.fsdp_plugin = plugin if plugin is not None else state.fsdp_plugin
+        if plugin is not None:
+            state.fsdp_plugin = plugin
         state.distributed_type = DistributedType.FSDP
         # each new AcceleratorState() (accelerate makes them as it goes) copies the process state's type over its
         # own: set it there as well, or the run turns back to plain multi-process at the next one
