@@ -4,7 +4,7 @@
 # Usage: bash scripts/gpu_validate.sh [probe] [errors] [kernel-tests] [gpu-tests] [gpu-tests-isolated]
 #        [mixer-tests] [mixer-errors]
 #        [fftconv-bench] [mlstm-bench] [mlstm-tests] [training-tests] [sweep] [profile] [train] [train-sweep] [breakdown]
-#        [prefill-breakdown]
+#        [prefill-breakdown] [host-cost] [host-cost-ranks] [gemm-tests] [inference-tests]
 #        [bench] [bench-shapes] [mode-sweep] [conv1d-sweep] [backward-sweep] [sass] [ncu] [cpu-tests]   (bench-shapes reads
 #        BENCH_SHAPES, e.g. 1x4096x4096x8,...; the sweeps read SWEEP_SHAPES the same way, or sweep their
 #        default shapes; prefill-breakdown reads BREAKDOWN_MODEL: llama-1b or gpt2; sweep reads SWEEP_CONFIGS,
@@ -86,6 +86,20 @@ for what in "$@"; do
         --json "$OUT/train.json" ;;
     bench) step bench 480 python3 -m bem.kernels.bench --json "$OUT/bench.json" ;;
     breakdown) step breakdown 300 env PYTHONPATH=. python3 scripts/decode_breakdown.py ;;
+    host-cost) step host_cost ${HOST_COST_LIMIT:-300} env PYTHONPATH=. python3 scripts/host_cost.py \
+        ${HOST_COST_CONFIGS:+--configs "$HOST_COST_CONFIGS"} --json "$OUT/host_cost.json" ;;
+    # the one-call rows at other ranks (HOST_COST_RANKS, space-separated)
+    host-cost-ranks) for rank in ${HOST_COST_RANKS:-16 32}; do
+        step "host_cost_r$rank" 120 env PYTHONPATH=. python3 scripts/host_cost.py --calls-only --rank "$rank" \
+          ${HOST_COST_CONFIGS:+--configs "$HOST_COST_CONFIGS"} --json "$OUT/host_cost_r$rank.json"
+      done ;;
+    gemm-tests) step gemm_tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
+        tests/gpu/test_fused_gemm.py tests/gpu/test_kernel_forward.py ;;
+    # the inference paths of a wrapped layer and model, each file in a process of its own
+    inference-tests) for file in test_decode_fast_paths test_wrapped_model test_decoding_paths; do
+        step "inference_$file" ${INFERENCE_TESTS_LIMIT:-200} python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+          --tb=short "tests/gpu/$file.py"
+      done ;;
     prefill-breakdown) step prefill_breakdown 300 env PYTHONPATH=. python3 scripts/prefill_breakdown.py \
         ${BREAKDOWN_MODEL:+--model "$BREAKDOWN_MODEL"} ;;
     cpu-tests) step cpu_tests 300 python3 -m pytest -q -x -p no:cacheprovider tests --ignore=tests/gpu ;;

@@ -160,6 +160,43 @@ def test_bem_linear_keeps_v_transposed_for_prefill_inference_calls(monkeypatch):
     assert made_there.bem_V.is_inference() and stub.v_t[-1] is None
 
 
+class _LeadingDimsStub(_StubExtension):
+    """Refuses codes whose leading dimensions are not the input's, as the extension does."""
+
+    def linear_forward(self, x, weight, bias, V, codes, U, scaling, mode=0, split_k=0, need_p=True, V_t=None):
+        self.calls.append((x.shape, None if codes is None else codes.shape, need_p))
+        if codes is not None and codes.shape[:-1] != x.shape[:-1]:
+            raise ValueError("codes must be (..., r) with the leading dimensions of x")
+        return torch.full((*x.shape[:-1], U.shape[0]), 7.0, dtype=x.dtype), None
+
+
+def test_wrapped_layer_calls_the_extension_first_and_lays_out_codes_when_refused(monkeypatch):
+    """At inference the wrapped layer hands its operands to the extension before any check of its own;
+    codes laid out otherwise than the input (the controller's (batch, tokens) against a layer fed
+    (batch x tokens) rows) are refused there and reshaped on the checked path, which calls it again."""
+    from bem.kernels import custom_ops
+    from bem.modules.bem_linear import BEMLinear, RoutingContext
+
+    stub = _LeadingDimsStub(refuse=False)
+    monkeypatch.setattr(custom_ops, "_C", stub)
+    monkeypatch.setattr(ops, "_inference_call", lambda x, V: not torch.is_grad_enabled())
+    context = RoutingContext()
+    layer = BEMLinear(torch.nn.Linear(16, 8), rank=4, alpha=8.0, dropout=0.0, module_index=1, context=context)
+    context.set_codes(torch.randn(2, 2, 3, 4))
+    with torch.no_grad():
+        out = layer(torch.randn(2, 3, 16))
+        assert stub.calls == [((2, 3, 16), (2, 3, 4), False)] and bool((out == 7.0).all())
+        flat = layer(torch.randn(6, 16))
+    assert stub.calls[1:] == [((6, 16), (2, 3, 4), False), ((6, 16), (6, 4), False)]
+    assert flat.shape == (6, 8) and bool((flat == 7.0).all())
+    context.set_codes(torch.randn(2, 2, 3, 4, dtype=torch.float64))  # codes in another dtype: cast first
+    with torch.no_grad():
+        layer(torch.randn(2, 3, 16))
+    assert stub.calls[-1] == ((2, 3, 16), (2, 3, 4), False) and len(stub.calls) == 4
+    with torch.no_grad(), pytest.raises(ValueError, match="token positions"):
+        layer(torch.randn(5, 16))  # positions that match no layout of the codes: the checked path explains
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_bem_linear_reads_a_base_weight_that_is_not_a_parameter(bias):
     """The wrapped layer reads its base's weight and bias from the parameter dict, and by attribute when

@@ -194,6 +194,28 @@ class TransposeKeeper:
         return self._kept
 
 
+def direct_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    V: torch.Tensor,
+    codes: Optional[torch.Tensor],
+    U: torch.Tensor,
+    scaling: float,
+    v_t: Optional[TransposeKeeper],
+) -> Optional[torch.Tensor]:
+    """The fused linear from the extension called directly (after `_inference_call`), or None where the
+    extension refuses an operand as it is (ValueError): the caller's checked path then copies, casts or
+    explains."""
+    prefill_sized = x.numel() > custom_ops.decode_auto_max_tokens() * x.shape[-1]
+    V_t = v_t.get(V) if v_t is not None and prefill_sized else None
+    try:
+        # positional (mode 0: by shape; split 0: by shape; no x V): pybind matches keywords slower
+        return custom_ops._C.linear_forward(x, weight, bias, V, codes, U, float(scaling), 0, 0, False, V_t)[0]
+    except ValueError:
+        return None
+
+
 def bem_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -210,13 +232,9 @@ def bem_linear(
     v_t: the caller's keeper of this V's transpose; the direct inference call hands V^T to the kernels
     that read it (above the decode kernels' rows, which read V itself)."""
     if use_fused and _inference_call(x, V):
-        prefill_sized = x.numel() > custom_ops.decode_auto_max_tokens() * x.shape[-1]
-        V_t = v_t.get(V) if v_t is not None and prefill_sized else None
-        try:
-            # positional (mode 0: by shape; split 0: by shape; no x V): pybind matches keywords slower
-            return custom_ops._C.linear_forward(x, weight, bias, V, codes, U, float(scaling), 0, 0, False, V_t)[0]
-        except ValueError:
-            pass  # an operand the kernels do not take as it is: the path below copies, casts or explains
+        y = direct_linear(x, weight, bias, V, codes, U, scaling, v_t)
+        if y is not None:
+            return y
     if use_fused and _eager_autograd_call(x, V, weight, bias):
         try:
             return eager_linear.FusedLinear.apply(x, weight, bias, V, codes, U, float(scaling))

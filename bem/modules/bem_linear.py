@@ -134,6 +134,25 @@ class BEMLinear(nn.Module):
         if not context.enabled:
             return self._modules["base_layer"](x)
         codes = None if context.codes is None else context.codes[self.module_index]
+        params = self._parameters
+        V = params["bem_V"]
+        # Inference in V's dtype goes straight to the extension, which checks the operands' shapes itself
+        # (the general path below compares them in Python, a microsecond a call) and refuses what it does
+        # not take as it is: that call then takes the general path.
+        if (not torch.is_grad_enabled() and x.dtype == V.dtype and self.use_fused_kernels and self.owns_product
+                and (codes is None or codes.dtype == V.dtype) and not (self.has_dropout and self.training)
+                and ops._inference_call(x, V)):
+            found = self._modules["base_layer"]._parameters
+            weight, bias = found.get("weight"), found.get("bias")
+            if weight is not None and (bias is not None or "bias" in found):
+                y = ops.direct_linear(x, weight.t() if self.is_conv1d else weight, bias, V, codes, params["bem_U"],
+                                      self.scaling, self._v_t)
+                if y is not None:
+                    return y
+        return self._forward_checked(x, codes)
+
+    def _forward_checked(self, x: torch.Tensor, codes: Optional[torch.Tensor]) -> torch.Tensor:
+        """Every other call: codes laid out as x, autocast, casts, dropout, layers with their own forward."""
         if codes is not None and codes.shape[:-1] != x.shape[:-1]:
             codes = self._reshape_codes(codes, x)
         if torch.is_autocast_enabled("cuda") if x.is_cuda else torch.is_autocast_enabled(x.device.type):

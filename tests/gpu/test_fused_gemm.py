@@ -85,18 +85,22 @@ def test_gemm_given_the_projection_matches_float64(dtype, M, K, N, r, bias, tile
 def test_gemm_with_the_update_inside_is_the_default_where_it_measured_faster():
     """Where its tiles fill at least half the GPU and K x N is small for the rank, the default dispatch is
     linear mode 6 (bit-equal): 768² at r = 16, 4096² at r = 8, and with 128-column tiles 2048² at r = 8
-    and 1024 rows (128 tiles); not 768² with 1024 rows (24 tiles), 4096² at r = 32, 2048² at 512 rows
-    (64 tiles of 128 columns) or at r = 16."""
+    and 1024 rows (128 tiles); not 768² with 1024 rows (24 tiles) at r = 16, 4096² at r = 32, or 2048² at
+    r = 16. At r = 8 it is also the default for calls short enough that the host is their bound (up to
+    2048 rows and M K N <= 2^34): 2048² at 512 rows (64 tiles), 576² and 8192 x 2048 at 1024 rows; not
+    8192 x 3072 at 1024 rows (M K N = 2^34.6), nor 768² at 2049 rows and r = 16."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for M, K, r, expected in ((128 * sms // 3 + 129, 768, 16, True), (1024, 768, 16, False),
-                              (128 * sms // 32 + 200, 4096, 8, True), (2048, 4096, 32, False),
-                              (1024, 2048, 8, True), (512, 2048, 8, False), (1024, 2048, 16, False)):
-        x, W, b, V, c, U = operands(M, K, K, r, torch.bfloat16, codes=True, seed=7)
+    for M, K, N, r, expected in ((128 * sms // 3 + 129, 768, 768, 16, True), (1024, 768, 768, 16, False),
+                                 (128 * sms // 32 + 200, 4096, 4096, 8, True), (2048, 4096, 4096, 32, False),
+                                 (1024, 2048, 2048, 8, True), (1024, 2048, 2048, 16, False),
+                                 (512, 2048, 2048, 8, True), (1024, 576, 576, 8, True), (1024, 8192, 2048, 8, True),
+                                 (1024, 8192, 3072, 8, False), (2049, 768, 768, 16, False)):
+        x, W, b, V, c, U = operands(M, K, N, r, torch.bfloat16, codes=True, seed=7)
         auto, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 0)
         fused, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 6)
         other, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 3)
         assert not torch.equal(fused, other)
-        assert torch.equal(auto, fused if expected else other), f"M = {M}, K = N = {K}, r = {r}"
+        assert torch.equal(auto, fused if expected else other), f"M = {M}, K = {K}, N = {N}, r = {r}"
 
 
 @fused_gemm
