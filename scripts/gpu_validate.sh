@@ -4,7 +4,7 @@
 # Usage: bash scripts/gpu_validate.sh [probe] [errors] [kernel-tests] [gpu-tests] [gpu-tests-isolated]
 #        [mixer-tests] [mixer-errors]
 #        [fftconv-bench] [mlstm-bench] [mlstm-tests] [training-tests] [sweep] [profile] [train] [train-sweep] [breakdown]
-#        [prefill-breakdown] [host-cost] [host-cost-ranks] [gemm-tests] [inference-tests]
+#        [prefill-breakdown] [host-cost] [host-cost-ranks] [gemm-tests] [inference-tests] [eager-sweep]
 #        [bench] [bench-shapes] [mode-sweep] [conv1d-sweep] [backward-sweep] [sass] [ncu] [cpu-tests]   (bench-shapes reads
 #        BENCH_SHAPES, e.g. 1x4096x4096x8,...; the sweeps read SWEEP_SHAPES the same way, or sweep their
 #        default shapes; prefill-breakdown reads BREAKDOWN_MODEL: llama-1b or gpt2; sweep reads SWEEP_CONFIGS,
@@ -81,6 +81,15 @@ for what in "$@"; do
     fftconv-bench) step fftconv_bench ${BENCH_LIMIT:-240} python3 -m bem.kernels.bench --fftconv --json "$OUT/fftconv_bench.json" ;;
     mlstm-bench) step mlstm_bench ${BENCH_LIMIT:-300} python3 -m bem.kernels.bench --mlstm --json "$OUT/mlstm_bench.json" ;;
     sweep) step sweep ${SWEEP_LIMIT:-540} python3 profile.py --sweep ${SWEEP_CONFIGS:-} --output-dir "$OUT" ;;
+    # the eager settings only (compiled decoding off, at most EAGER_MAX_SECONDS of timed repeats a setting):
+    # copies of the configs named in SWEEP_CONFIGS (comma-separated), one report each and the sweep's table
+    eager-sweep) mkdir -p /tmp/eager_configs && paths=()
+      for name in ${SWEEP_CONFIGS//,/ }; do
+        sed -e 's/^  compiled: true.*/  compiled: false/' -e "s/^  max_seconds: .*/  max_seconds: ${EAGER_MAX_SECONDS:-8.0}/" \
+          "configs/profile_$name.yaml" >"/tmp/eager_configs/profile_$name.yaml"
+        paths+=("/tmp/eager_configs/profile_$name.yaml")
+      done
+      step eager_sweep ${SWEEP_LIMIT:-540} python3 profile.py --sweep "$(IFS=,; echo "${paths[*]}")" --output-dir "$OUT" ;;
     profile) step profile 300 python3 profile.py --config configs/profile_llama_1b.yaml --output-dir "$OUT" ;;
     train) step train 300 python3 benchmarks/train_throughput.py --config configs/profile_llama_1b.yaml \
         --json "$OUT/train.json" ;;

@@ -37,7 +37,7 @@ SHAPES = {  # (K, N) of the wrapped linears, one of each kind
     "qwen2_1.5b": [(1536, 1536), (1536, 256), (1536, 8960), (8960, 1536)],
     "phi3_mini": [(3072, 9216), (3072, 3072), (3072, 16384), (8192, 3072)],
 }
-ROWS, RANK = 1024, 8  # RANK: --rank
+ROWS, RANK = 1024, 8  # RANK: the default of --rank
 
 
 def host_and_wall(fn: Callable[[], object], calls: int) -> tuple[float, float]:
@@ -91,7 +91,7 @@ def old_forward(self: BEMLinear, x: torch.Tensor) -> torch.Tensor:
     return self._forward_checked(x, codes)
 
 
-def per_call_rows(names: list[str]) -> list[dict]:
+def per_call_rows(names: list[str], rank: int) -> list[dict]:
     ext = custom_ops.extension()
     rows = []
     for name in names:
@@ -100,10 +100,10 @@ def per_call_rows(names: list[str]) -> list[dict]:
             base = (Conv1D(N, K) if conv else nn.Linear(K, N)).to("cuda", torch.bfloat16)
             nn.init.normal_(base.weight, std=K ** -0.5)
             context = RoutingContext()
-            layer = BEMLinear(base, RANK, 16.0, 0.0, 0, context).eval()
+            layer = BEMLinear(base, rank, 16.0, 0.0, 0, context).eval()
             nn.init.normal_(layer.bem_U, std=0.02)
             x = torch.randn(1, ROWS, K, device="cuda", dtype=torch.bfloat16)
-            context.set_codes(torch.randn(1, 1, ROWS, RANK, device="cuda", dtype=torch.bfloat16))
+            context.set_codes(torch.randn(1, 1, ROWS, rank, device="cuda", dtype=torch.bfloat16))
             codes = context.codes[0]
             W = base.weight.t() if conv else base.weight
             b, V, U = base.bias, layer.bem_V, layer.bem_U
@@ -212,16 +212,14 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=RANK, help="of the one-call rows (the models use their config's)")
     parser.add_argument("--json")
     args = parser.parse_args()
-    global RANK
-    RANK = args.rank
     names = args.configs.split(",")
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     end = time.perf_counter() + 1.0
     while time.perf_counter() < end:
         a @ a
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    calls = per_call_rows(names)
-    print(f"\none call, bf16, {ROWS} rows, rank {RANK}: host issue us (median [min, max] of 7 rounds of 100), "
+    calls = per_call_rows(names, args.rank)
+    print(f"\none call, bf16, {ROWS} rows, rank {args.rank}: host issue us (median [min, max] of 7 rounds of 100), "
           "device us (CUDA graph)")
     for r in calls:
         print(f"  {r['config']:12s} {r['K']:5d}x{r['N']:<5d} {r['variant']:18s} host {r['host_us']:6.2f} "

@@ -85,16 +85,17 @@ def test_gemm_given_the_projection_matches_float64(dtype, M, K, N, r, bias, tile
 def test_gemm_with_the_update_inside_is_the_default_where_it_measured_faster():
     """Where its tiles fill at least half the GPU and K x N is small for the rank, the default dispatch is
     linear mode 6 (bit-equal): 768² at r = 16, 4096² at r = 8, and with 128-column tiles 2048² at r = 8
-    and 1024 rows (128 tiles); not 768² with 1024 rows (24 tiles) at r = 16, 4096² at r = 32, or 2048² at
-    r = 16. At r = 8 it is also the default for calls short enough that the host is their bound (up to
-    2048 rows and M K N <= 2^34): 2048² at 512 rows (64 tiles), 576² and 8192 x 2048 at 1024 rows; not
-    8192 x 3072 at 1024 rows (M K N = 2^34.6), nor 768² at 2049 rows and r = 16."""
+    and 1024 rows (128 tiles). Up to r = 32 it is also the default for calls short enough that the host is
+    their bound (up to 2048 rows and M K N <= 2^34): 768² at 1024 rows (24 tiles) and r = 16, 2048² at 512
+    rows (64 tiles), 576² and 8192 x 2048 at 1024 rows; not 4096² at 2048 rows and r = 32 or 8192 x 3072 at
+    1024 rows (M K N above 2^34), 768² at 2049 rows and r = 16, or 768² at 1024 rows and r = 64."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for M, K, N, r, expected in ((128 * sms // 3 + 129, 768, 768, 16, True), (1024, 768, 768, 16, False),
+    for M, K, N, r, expected in ((128 * sms // 3 + 129, 768, 768, 16, True), (1024, 768, 768, 16, True),
                                  (128 * sms // 32 + 200, 4096, 4096, 8, True), (2048, 4096, 4096, 32, False),
-                                 (1024, 2048, 2048, 8, True), (1024, 2048, 2048, 16, False),
+                                 (1024, 2048, 2048, 8, True), (1024, 2048, 2048, 16, True),
                                  (512, 2048, 2048, 8, True), (1024, 576, 576, 8, True), (1024, 8192, 2048, 8, True),
-                                 (1024, 8192, 3072, 8, False), (2049, 768, 768, 16, False)):
+                                 (1024, 8192, 3072, 8, False), (2049, 768, 768, 16, False),
+                                 (1024, 768, 768, 64, False)):
         x, W, b, V, c, U = operands(M, K, N, r, torch.bfloat16, codes=True, seed=7)
         auto, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 0)
         fused, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 6)
@@ -105,11 +106,13 @@ def test_gemm_with_the_update_inside_is_the_default_where_it_measured_faster():
 
 @fused_gemm
 def test_gemm_given_the_projection_is_the_default_at_a_few_hundred_rows_from_rank_32():
-    """From 512 to 1023 rows at r >= 32, where mode 6 does not suit, the default is linear mode 7
-    (bit-equal, and within the float64 bound): 4096² at r = 32 and 64, 2048 x 8192 at r = 32; not at 511
-    or 1024 rows, nor at r = 16 (linear mode 3 there)."""
+    """From 512 to 1023 rows at r >= 32, where mode 6 does not suit by device time, the default is linear
+    mode 7 (bit-equal, and within the float64 bound): 4096² at r = 32 and 64, 2048 x 8192 at r = 32. Not at
+    511 or 1024 rows, nor at r = 16: there these calls are short enough for the host to be their bound, and
+    the default is the one launch of mode 6 (mode 3 at r = 64 and 1024 rows)."""
     for M, K, N, r, expected in ((512, 4096, 4096, 32, 7), (1023, 4096, 4096, 64, 7), (700, 2048, 8192, 32, 7),
-                                 (511, 4096, 4096, 32, 3), (1024, 4096, 4096, 32, 3), (600, 4096, 4096, 16, 3)):
+                                 (511, 4096, 4096, 32, 6), (1024, 4096, 4096, 32, 6), (600, 4096, 4096, 16, 6),
+                                 (1024, 4096, 4096, 64, 3)):
         x, W, b, V, c, U = operands(M, K, N, r, torch.bfloat16, codes=True, seed=stable_seed(M, K, N, r))
         auto, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 0)
         chosen, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, expected)
@@ -127,10 +130,12 @@ def test_conv1d_weights_take_the_fused_gemm_where_row_major_ones_do():
     """Weights stored as GPT-2's Conv1D stores them (a row-major (K, N) tensor read transposed) get the same
     default as row-major ones (bit-equal to the forced mode): mode 6 where the tiles fill the GPU and K x N
     is small for the rank, mode 7 at a few hundred rows from rank 32 where the 128-column tiles fill half
-    of it, mode 3 where they do not (3072 x 768 at 700 rows: 36 tiles), for either layout."""
+    of it, mode 6 again where they do not but the call is short (3072 x 768 at 700 rows and r = 32: 36
+    tiles), mode 3 where neither holds (the same at r = 64), for either layout."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     cases = [(128 * sms // 3 + 129, 768, 768, 16, 6, True), (700, 768, 3072, 32, 7, True),
-             (700, 3072, 768, 32, 3, True), (700, 3072, 768, 32, 3, False), (4096, 1024, 4096, 8, 6, True)]
+             (700, 3072, 768, 32, 6, True), (700, 3072, 768, 32, 6, False), (700, 3072, 768, 64, 3, True),
+             (700, 3072, 768, 64, 3, False), (4096, 1024, 4096, 8, 6, True)]
     for M, K, N, r, expected, conv1d in cases:
         x, W, b, V, c, U = operands(M, K, N, r, torch.bfloat16, codes=True, seed=stable_seed(M, K, N, r, conv1d))
         if conv1d:

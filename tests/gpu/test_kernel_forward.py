@@ -235,15 +235,16 @@ def test_streaming_update_on_a_cluster(cluster, tokens, M, K, N, r):
                                                (1000, 1024, 520, 16, True), (200, 2048, 1000, 32, False),
                                                (200, 256, 1000, 8, False)])
 def test_clustered_streaming_update_is_the_default_below_1024_rows(M, K, N, r, clustered):
-    """Below 1024 rows the default update takes the streaming kernel on clusters at ranks up to 16 (where
-    at least two blocks of a cluster keep 256 columns of K each), the tiles kernel otherwise; the linear
-    (which adds the bias in the update) matches float64 either way."""
+    """Below 1024 rows the default update of linear mode 3 (cuBLAS and the update kernel: the default under
+    CUDA-graph capture) takes the streaming kernel on clusters at ranks up to 16 (where at least two blocks
+    of a cluster keep 256 columns of K each), the tiles kernel otherwise; the linear (which adds the bias in
+    the update) matches float64 either way."""
     x, W, b, V, c, U = operands(M, K, N, r, torch.bfloat16, codes=True, seed=stable_seed(M, K, N, r, 7))
     ref = linear_ref64(x, W, b, V, c, U, 1.5)
     torch_err = rel_err(reference.bem_linear(x, W, b, V, c, U, 1.5), ref)
     poison_allocator(x.device, M * N)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        y, P = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5)
+        y, P = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 3)
         torch.cuda.synchronize()
     names = [event.name for event in prof.events()]
     assert any("lowrank_stream_kernel" in name and "true>" in name for name in names) == clustered, names
@@ -362,9 +363,12 @@ def test_tma_update_inside_the_linear_adds_the_bias():
 
 
 def test_default_dispatch_leaves_the_decode_kernels_above_16_tokens():
-    """From 17 to 64 tokens the default is cuBLAS with the update kernel (linear mode 3), bit-equal; the
-    decode kernels stay the default at 16 tokens and can still be asked for above."""
-    for M, expected_mode in ((16, 1), (17, 3), (64, 3)):
+    """From 17 to 64 tokens the default is the GEMM with the update inside (linear mode 6: one launch, where
+    the host's time is the bound) where the build runs it, and cuBLAS with the update kernel (linear mode 3)
+    under CUDA-graph capture and elsewhere, bit-equal; the decode kernels stay the default at 16 tokens and
+    can still be asked for above."""
+    eager_mode = 6 if custom_ops._C.fused_gemm_available() else 3
+    for M, expected_mode, captured_mode in ((16, 1, 1), (17, eager_mode, 3), (64, eager_mode, 3)):
         x, W, b, V, c, U = operands(M, 512, 384, 8, torch.bfloat16, codes=True, seed=M)
         auto, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 0)
         decode, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 5)
@@ -372,3 +376,10 @@ def test_default_dispatch_leaves_the_decode_kernels_above_16_tokens():
         expected = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, expected_mode)[0]
         assert not torch.equal(decode, prefill)
         assert torch.equal(auto, expected), f"M = {M}"
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, 0)
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.5, captured_mode)[0]
+        assert torch.equal(captured, expected), f"M = {M}, captured"

@@ -36,4 +36,12 @@ inline bool sm90a_runs(int device) {
   return supported;
 }
 
+// Whether the current stream is being captured into a CUDA graph: a replay does not pay the host's time
+// per call, so choices made for host-bound calls do not apply there.
+inline bool capturing_now() {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream_now(), &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
 }  // namespace bem

@@ -101,13 +101,17 @@ constexpr int64_t kNarrowMaxRank = 8, kNarrowMaxK = 4096;
 // Short prompts (a batch of one, up to a couple of thousand tokens) are bound by the host, not the GPU: the
 // model's Python and each call's launches take longer than its kernels. There the one launch of the GEMM
 // with the update inside is what counts, not its device time. Host time to issue one call on an H100
-// machine (scripts/host_cost.py, 1024 rows, r = 8): the GEMM with the update inside 8.6-11.7 us, cuBLAS
-// with the separate update (mode 3) 20.3-27.0 us, F.linear alone 14.1-18.8 us. Its device time there was
-// within 2.6 us of mode 3's or below it up to K x N = 8192 x 2048 (576²: 6.3 against 8.6 us; 8192 x 2048:
-// 53.4 against 59.5; 3072 x 768: 21.1 against 18.5) and 4.5 us above at 8960 x 1536 (57.1 against 52.6),
-// but 10-14 us above for Phi-3-mini's wide layers (3072 x 9216: 122.6 against 108.3; 8192 x 3072: 97.9
-// against 88.1), whose calls are long enough to keep the GPU the bound: those keep the rules above.
-constexpr int64_t kHostBoundMaxRows = 2048, kHostBoundMaxWork = int64_t(1) << 34, kHostBoundMaxRank = 8;
+// machine (scripts/host_cost.py, 1024 rows, the five profile configs' shapes): the GEMM with the update
+// inside 8.6-11.7 us at r = 8, 16 and 32; cuBLAS with the separate update (mode 3) 20-27 us at r = 8 and 16,
+// 45-60 us at r = 32 (two more GEMMs and a scaling kernel); F.linear alone 14-19 us. Its device time there
+// was below mode 3's or within 2.6 us of it at r = 8 up to K x N = 8192 x 2048 (576²: 6.3 against 8.6 us;
+// 8192 x 2048: 53.4 against 59.5; 3072 x 768: 21.1 against 18.5), 4.5-8 us above at 8960 x 1536 (r = 8 to
+// 32), but 10-17 us above for Phi-3-mini's wide layers (3072 x 9216: 122.6 against 108.3 at r = 8; 8192 x
+// 3072: 97.9 against 88.1), whose calls are long enough to keep the GPU the bound: those keep the rules
+// above. Where mode 7 is the default (a few hundred rows from rank 32) it stays so: not measured against
+// this rule. Under CUDA-graph capture a replay pays no host time per call, so there the rules chosen by
+// device time decide alone.
+constexpr int64_t kHostBoundMaxRows = 2048, kHostBoundMaxWork = int64_t(1) << 34, kHostBoundMaxRank = 32;
 
 }  // namespace
 
@@ -120,11 +124,11 @@ GemmUpdateChoice gemm_update_choice(const Tensor& x, const Tensor& weight, const
   const bool narrow = !wide && r <= kNarrowMaxRank && K <= kNarrowMaxK &&
                       3 * gemm_update_tiles((int)M, (int)N, 128) >= 2LL * sms;
   if ((wide || narrow) && K * N <= gemm_update_max_kn(r)) return GemmUpdateChoice::kInside;
-  if (M <= kHostBoundMaxRows && M * K * N <= kHostBoundMaxWork && r <= kHostBoundMaxRank)
-    return GemmUpdateChoice::kInside;
   if (M >= kProjectedMinRows && M <= kProjectedMaxRows && r >= kProjectedMinRank &&
       2 * gemm_update_tiles((int)M, (int)N, 128) >= sms)
     return GemmUpdateChoice::kProjected;
+  if (M <= kHostBoundMaxRows && M * K * N <= kHostBoundMaxWork && r <= kHostBoundMaxRank && !capturing_now())
+    return GemmUpdateChoice::kInside;
   return GemmUpdateChoice::kNone;
 }
 

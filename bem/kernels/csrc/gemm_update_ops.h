@@ -12,7 +12,8 @@ namespace bem {
 // The default dispatch's use of the GEMM (x: (M, K), 2-D), where it takes the operands and measured
 // faster: kInside (linear mode 6) where K x N is within the limit measured for the rank and the tiles fill
 // the GPU (128 x 256 ones at least half of it, or at r = 8 and K <= 4096 128 x 128 ones 2/3 of it), or
-// the call is short enough for its host time to be the bound (up to 2048 rows, M K N <= 2^34, r = 8);
+// the call is short enough for its host time to be the bound (up to 2048 rows, M K N <= 2^34, r <= 32;
+// not under CUDA-graph capture);
 // kProjected (mode 7) at a few hundred rows from rank 32 where the 128 x 128 tiles fill half the GPU; kNone
 // elsewhere. The weight may be row-major or the transposed view of a row-major (K, N) tensor (GPT-2's
 // Conv1D): the same limits held for both layouts.
