@@ -198,7 +198,7 @@ def _run_variant(variant: str, accelerator, config, setup, strategy: str, batche
                  ) -> dict[str, Any]:
     from bem.profiling.models import load_base_model
     from bem.training import distributed
-    from bem.training.optim import param_groups, trainable_parameters
+    from bem.training.optim import fused_on_cuda, param_groups, trainable_parameters
     from train_setups import set_trainable_dtype
 
     device = accelerator.device
@@ -219,7 +219,8 @@ def _run_variant(variant: str, accelerator, config, setup, strategy: str, batche
             whole = distributed.keep_whole(accelerator, [controller])
         else:
             accelerator.state.fsdp_plugin.ignored_modules = None  # the last variant's choice does not carry over
-    optimizer = torch.optim.AdamW(param_groups(trainable_parameters(model), whole), lr=config.train.learning_rate)
+    params = trainable_parameters(model)
+    optimizer = torch.optim.AdamW(param_groups(params, whole), lr=config.train.learning_rate, **fused_on_cuda(params))
     model, optimizer = accelerator.prepare(model, optimizer)
     sharded = _sharded_fraction(model)
 

@@ -91,3 +91,104 @@ def test_a_ddp_run_after_an_fsdp_run_in_one_cpu_process_is_plain_ddp(tmp_path):
     (fsdp_kind, fsdp2), (ddp_kind, ddp_fsdp2) = json.loads(out.read_text())
     assert fsdp2 and fsdp_kind.endswith("FSDP")
     assert not ddp_fsdp2 and ddp_kind.endswith("MULTI_CPU")
+
+
+def _clip_on_two_processes(rank: int, world: int, port: int, out: str) -> None:
+    """One of two gloo processes: clip sharded and whole gradients with `clip_grad_norm`, and save the result."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from bem.training.distributed import clip_grad_norm
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        full = _clip_case()
+        params = []
+        for index, grad in enumerate(full):
+            if index < 3:  # sharded along the first dimension, one of them unevenly (7 rows over 2)
+                param = torch.nn.Parameter(distribute_tensor(torch.zeros_like(grad), mesh, [Shard(0)]))
+                param.grad = distribute_tensor(grad, mesh, [Shard(0)])
+            else:  # left whole, as FSDP leaves the controller
+                param = torch.nn.Parameter(torch.zeros_like(grad))
+                param.grad = grad.clone()
+            params.append(param)
+        total = clip_grad_norm(params, 1.0)
+        gathered = {f"g{i}": (p.grad.full_tensor() if i < 3 else p.grad) for i, p in enumerate(params)}
+        if rank == 0:
+            from safetensors.torch import save_file
+
+            save_file({"total": total, **{k: v.contiguous() for k, v in gathered.items()}}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _clip_case():
+    import torch
+
+    generator = torch.Generator().manual_seed(3)
+    shapes = [(7, 3), (4, 5), (6,), (2, 3), ()]
+    return [torch.randn(shape, generator=generator) for shape in shapes]
+
+
+def test_clip_grad_norm_over_shards_equals_torch_over_the_whole_gradients(tmp_path):
+    """Two processes: the sharded gradients' norm is summed over both, the whole ones counted once; the total
+    norm and the clipped gradients equal torch's clipping of the full tensors in one process."""
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+
+    out = tmp_path / "clipped.safetensors"
+    mp.spawn(_clip_on_two_processes, args=(2, port, str(out)), nprocs=2, join=True)
+    from safetensors.torch import load_file
+
+    result = load_file(out)
+    expected = [torch.nn.Parameter(torch.zeros_like(g)) for g in _clip_case()]
+    for param, grad in zip(expected, _clip_case()):
+        param.grad = grad.clone()
+    total = torch.nn.utils.clip_grad_norm_(expected, 1.0)
+    assert total > 1.0  # the case clips
+    torch.testing.assert_close(result["total"], total)
+    for index, param in enumerate(expected):
+        torch.testing.assert_close(result[f"g{index}"], param.grad)
+
+
+def test_clip_grad_norm_in_one_process_is_torchs():
+    import torch
+
+    from bem.training.distributed import clip_grad_norm
+
+    for max_norm in (0.5, 100.0):  # clipped, and left alone
+        mine = [torch.nn.Parameter(torch.zeros_like(g)) for g in _clip_case()]
+        theirs = [torch.nn.Parameter(torch.zeros_like(g)) for g in _clip_case()]
+        for a, b, grad in zip(mine, theirs, _clip_case()):
+            a.grad, b.grad = grad.clone(), grad.clone()
+        mine[1].grad = None  # a parameter without a gradient is skipped, as torch skips it
+        theirs[1].grad = None
+        torch.testing.assert_close(clip_grad_norm(mine, max_norm), torch.nn.utils.clip_grad_norm_(theirs, max_norm))
+        for a, b in zip(mine, theirs):
+            assert (a.grad is None) == (b.grad is None)
+            if a.grad is not None:
+                torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_adamw_is_fused_on_cuda_only():
+    import torch
+
+    from bem.training.optim import build_optimizer, fused_on_cuda
+
+    cpu = [torch.nn.Parameter(torch.zeros(2))]
+    assert fused_on_cuda(cpu) == {} and fused_on_cuda([]) == {}
+    assert build_optimizer(cpu, TrainingSection()).defaults["fused"] is None
+    meta_cuda = torch.empty(2, device="meta")
+    assert fused_on_cuda([meta_cuda]) == {}

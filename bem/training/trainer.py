@@ -333,7 +333,10 @@ class Trainer:
         if self.whole_params:  # what FSDP leaves whole, it does not reduce either
             distributed.average_gradients(self.whole_params, accelerator.num_processes)
         if self.config.training.max_grad_norm is not None:
-            accelerator.clip_grad_norm_(self.params, self.config.training.max_grad_norm)
+            if self.sharded:
+                distributed.clip_grad_norm(self.params, self.config.training.max_grad_norm)
+            else:
+                accelerator.clip_grad_norm_(self.params, self.config.training.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
