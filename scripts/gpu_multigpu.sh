@@ -11,7 +11,7 @@
 #   REPEATS (5): timed steps per variant in the benchmark. SKIP=tests,bench,train leaves steps out.
 #   PROFILE=1: the benchmark also traces two steps per launch and variant (operator tables in $OUT/profile).
 #   TRAIN_STRATEGIES (default "ddp fsdp"): the `bem train` launches on two GPUs. TESTS_K, TEST_ROUNDS: which
-#   two-GPU tests run (pytest -k), and how many times.
+#   two-GPU tests run (pytest -k), and how many times. BENCH_STRATEGIES (default ddp,fsdp): the benchmark's launches.
 set -o pipefail
 OUT=${OUT:-out}
 STEPS=${STEPS:-16}
@@ -65,6 +65,7 @@ fi
 skipped bench || run throughput 300 python3 benchmarks/train_throughput.py --processes 2 \
     --config configs/profile_llama_1b.yaml --setups autocast --batch-size 4 --seq-len 2048 \
     --gradient-checkpointing --repeats "${REPEATS:-5}" --json "$OUT/processes.json" \
+    --strategies "${BENCH_STRATEGIES:-ddp,fsdp}" \
     ${PROFILE:+--profile "$OUT/profile"}
 
 CONFIG=configs/train_llama_1b.yaml
