@@ -177,25 +177,3 @@ def test_fsdp_names_the_torch_it_needs(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"training.distributed: fsdp needs torch >= 2.7.*2.6.0"):
         load_train_config(write_config(tmp_path), ["training.distributed=fsdp"])
     load_train_config(write_config(tmp_path), ["training.distributed=ddp"])
-
-
-def test_deterministic_training_turns_on_torchs_deterministic_algorithms(tmp_path):
-    import os
-
-    import torch
-
-    from bem.training.trainer import use_deterministic_algorithms
-
-    assert not load_train_config(write_config(tmp_path)).training.deterministic
-    config = load_train_config(write_config(tmp_path), ["training.deterministic=true"])
-    assert config.training.deterministic is True
-    before, workspace = torch.are_deterministic_algorithms_enabled(), os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
-    try:
-        use_deterministic_algorithms()
-        assert torch.are_deterministic_algorithms_enabled()
-        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"  # what deterministic cuBLAS needs
-    finally:
-        torch.use_deterministic_algorithms(before)
-        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
-        if workspace is not None:
-            os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace

@@ -112,9 +112,6 @@ class TrainingSection:
     cpu: bool = False  # train on the CPU even when an accelerator is present
     # how several processes split the work: "ddp" replicates the model on each, "fsdp" shards it (FSDP2)
     distributed: Literal["ddp", "fsdp"] = "ddp"
-    # torch's deterministic algorithms: a run on GPUs repeats bit for bit (float atomics, e.g. in scatter_add's
-    # forward and gather's backward, otherwise add in an order that varies from run to run); slower
-    deterministic: bool = False
 
     def check(self) -> None:
         for key in ("batch_size", "gradient_accumulation_steps", "epochs", "log_every"):

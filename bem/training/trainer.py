@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -62,22 +61,12 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def use_deterministic_algorithms() -> None:
-    """`training.deterministic`: torch's deterministic algorithms for the rest of the process (an op without one
-    raises, naming itself), with the fixed cuBLAS workspace they need on CUDA."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.benchmark = False
-
-
 class Trainer:
     def __init__(self, config: TrainConfig, echo: Callable[[str], None] = print) -> None:
         from accelerate.utils import set_seed
 
         self.config = config
         training = config.training
-        if training.deterministic:
-            use_deterministic_algorithms()  # before anything on the GPU: cuBLAS reads its workspace setting once
         self.resume_from = resolve_resume(config)
         self.accelerator = distributed.make_accelerator(training)
         self.sharded = distributed.is_sharded(self.accelerator)  # FSDP: parameters are DTensor shards
