@@ -136,19 +136,18 @@ class BEMLinear(nn.Module):
         codes = None if context.codes is None else context.codes[self.module_index]
         params = self._parameters
         V = params["bem_V"]
-        # Inference in V's dtype goes straight to the extension, which checks the operands' shapes itself
-        # (the general path below compares them in Python, a microsecond a call) and refuses what it does
-        # not take as it is: that call then takes the general path.
-        if (not torch.is_grad_enabled() and x.dtype == V.dtype and self.use_fused_kernels and self.owns_product
+        # Inference in V's dtype (grad mode, tracing, autocast and device: `_inference_call`) goes straight to
+        # the extension, which checks the operands' shapes itself (the general path below compares them in
+        # Python, a microsecond a call) and refuses what it does not take as it is: that call then takes the
+        # general path.
+        if (x.dtype == V.dtype and self.use_fused_kernels and self.owns_product
                 and (codes is None or codes.dtype == V.dtype) and not (self.has_dropout and self.training)
                 and ops._inference_call(x, V)):
-            found = self._modules["base_layer"]._parameters
-            weight, bias = found.get("weight"), found.get("bias")
-            if weight is not None and (bias is not None or "bias" in found):
-                y = ops.direct_linear(x, weight.t() if self.is_conv1d else weight, bias, V, codes, params["bem_U"],
-                                      self.scaling, self._v_t)
-                if y is not None:
-                    return y
+            weight, bias = self._base_weight_and_bias()
+            y = ops.direct_linear(x, weight.t() if self.is_conv1d else weight, bias, V, codes, params["bem_U"],
+                                  self.scaling, self._v_t)
+            if y is not None:
+                return y
         return self._forward_checked(x, codes)
 
     def _forward_checked(self, x: torch.Tensor, codes: Optional[torch.Tensor]) -> torch.Tensor:
