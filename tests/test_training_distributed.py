@@ -192,3 +192,9 @@ def test_adamw_is_fused_on_cuda_only():
     assert build_optimizer(cpu, TrainingSection()).defaults["fused"] is None
     meta_cuda = torch.empty(2, device="meta")
     assert fused_on_cuda([meta_cuda]) == {}
+    # the trainer builds its optimizer before accelerate moves the model: fused when it will be on a GPU
+    assert fused_on_cuda(cpu, torch.device("cuda", 0)) == {"fused": True}
+    assert fused_on_cuda(cpu, torch.device("cpu")) == {}
+    assert fused_on_cuda([meta_cuda], torch.device("cuda")) == {}
+    assert fused_on_cuda([torch.zeros(2, dtype=torch.long)], torch.device("cuda")) == {}
+    assert build_optimizer(cpu, TrainingSection(), device=torch.device("cuda")).defaults["fused"] is True

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -27,20 +27,24 @@ def param_groups(params: Sequence[nn.Parameter], apart: Sequence[nn.Parameter] =
     return [{"params": group} for group in groups if group]
 
 
-def fused_on_cuda(params: Sequence[torch.Tensor]) -> dict[str, bool]:
-    """AdamW's options for `params`: `fused=True` where all of them are floating-point CUDA tensors (the whole
-    step in one kernel launch per group and dtype; under FSDP also one pass through the sharded tensors'
-    dispatch instead of one per multi-tensor operation, host time that showed between two-GPU steps), and
-    torch's own choice elsewhere."""
-    fused = bool(params) and all(p.is_cuda and p.is_floating_point() for p in params)
+def fused_on_cuda(params: Sequence[torch.Tensor], device: Optional[torch.device] = None) -> dict[str, bool]:
+    """AdamW's options for `params`: `fused=True` where all of them are floating-point tensors that are on a CUDA
+    device, or that will be there by the first step (`device`: where the launcher moves the model; the trainer
+    builds its optimizer before accelerate's `prepare` does), and torch's own choice elsewhere. Fused, the whole
+    step is one kernel launch per group and dtype; under FSDP also one pass through the sharded tensors' dispatch
+    instead of one per multi-tensor operation, host time that showed between two-GPU steps."""
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    fused = bool(params) and all((p.is_cuda or (on_cuda and p.device.type == "cpu")) and p.is_floating_point()
+                                 for p in params)
     return {"fused": True} if fused else {}
 
 
 def build_optimizer(params: list[nn.Parameter], training: TrainingSection,
-                    apart: Sequence[nn.Parameter] = ()) -> torch.optim.Optimizer:
+                    apart: Sequence[nn.Parameter] = (), device: Optional[torch.device] = None) -> torch.optim.Optimizer:
+    """AdamW over `params` (see `param_groups`); `device`: where the parameters will be at the first step."""
     return torch.optim.AdamW(param_groups(params, apart), lr=training.lr,
                              betas=(training.adam_beta1, training.adam_beta2), weight_decay=training.weight_decay,
-                             **fused_on_cuda(params))
+                             **fused_on_cuda(params, device))
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, kind: str) -> float:

@@ -113,7 +113,7 @@ class Trainer:
         # under FSDP the controller stays whole on every process; its gradients are averaged by this loop
         self.whole_params = (distributed.keep_whole(self.accelerator, [model.controller])
                              if self.sharded and model.controller is not None else [])
-        optimizer = build_optimizer(params, training, apart=self.whole_params)
+        optimizer = build_optimizer(params, training, apart=self.whole_params, device=self.accelerator.device)
         self.sampler = EpochSampler(len(self.train_examples), training.seed)
         loader = torch.utils.data.DataLoader(self.train_examples, batch_size=training.batch_size, sampler=self.sampler,
                                              drop_last=True, collate_fn=Collator(self.tokenizer.pad_token_id))
