@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -54,12 +55,44 @@ def _probe_checksums(self, loss):
 def _probe_optimizer_step(self, micro_batches):
     loss, counts = _probe_step(self, micro_batches)
     self._probe_steps = getattr(self, "_probe_steps", 0) + 1
-    record = {"step": self._probe_steps, "rank": self.accelerator.process_index, **_probe_checksums(self, loss)}
+    record = {"step": self._probe_steps, "rank": self.accelerator.process_index, **_probe_checksums(self, loss),
+              **_probe_seen}
     with open(self.output_dir / f"probe_rank{self.accelerator.process_index}.jsonl", "a") as log:
         log.write(json.dumps(record) + "\\n")
     return loss, counts
 
 _probe_trainer.Trainer._optimizer_step = _probe_optimizer_step
+
+# the whole (controller) gradients before and after their all-reduce, and the clipping's total norm, each step
+import torch.distributed as _probe_dist
+from bem.training import distributed as _probe_distributed
+_probe_average, _probe_clip = _probe_distributed.average_gradients, _probe_distributed.clip_grad_norm
+_probe_seen = {}
+
+def _grad_sum(params):
+    grads = [p.grad.double().flatten() for p in params if p.grad is not None]
+    if not grads:
+        return "none"
+    flat = torch.cat(grads)
+    return _exact((flat * torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64)).sum())
+
+def _probe_average_gradients(params, world_size):
+    _probe_seen["whole_grad_local"] = _grad_sum(params)
+    if os.environ.get("PROBE_SYNC"):
+        torch.cuda.synchronize()
+        _probe_dist.barrier()
+    _probe_average(params, world_size)
+    if os.environ.get("PROBE_SYNC"):
+        torch.cuda.synchronize()
+    _probe_seen["whole_grad_averaged"] = _grad_sum(params)
+
+def _probe_clip_grad_norm(params, max_norm):
+    total = _probe_clip(params, max_norm)
+    _probe_seen["clip_total"] = _exact(total)
+    return total
+
+_probe_distributed.average_gradients = _probe_average_gradients
+_probe_distributed.clip_grad_norm = _probe_clip_grad_norm
 """
 
 
@@ -83,6 +116,7 @@ def main() -> int:
     parser.add_argument("--strategy", default="fsdp")
     parser.add_argument("--crash", action="store_true")
     parser.add_argument("--save-every", type=int, default=multi.SAVE_EVERY)
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the test's)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--cpu", action="store_true", help="two processes on the CPU (gloo) instead of two GPUs")
     args = parser.parse_args()
@@ -92,26 +126,31 @@ def main() -> int:
     driver = multi.DRIVER.replace("trainer_module.Trainer.train = train_and_write_each_adapter",
                                   PROBE + "\ntrainer_module.Trainer.train = train_and_write_each_adapter")
     (root / "driver.py").write_text(driver)
-    extra = [f"training.save_every={args.save_every or 'null'}", f"training.cpu={str(args.cpu).lower()}"]
+    extra = [f"training.save_every={args.save_every}", f"training.cpu={str(args.cpu).lower()}",
+             *([f"training.max_steps={args.steps}"] if args.steps else [])]
     rounds = [run_round(root, root / f"round{i}", args.strategy, args.crash, extra) for i in range(args.rounds)]
-    keys = ("loss", "whole", "sharded", "exp_avg", "exp_avg_sq")
+    keys = ("loss", "whole_grad_local", "whole_grad_averaged", "clip_total", "whole", "sharded", "exp_avg",
+            "exp_avg_sq")
     report = []
     steps = sorted({step for r in rounds for step, _ in r})
     print(f"{args.strategy}, crash={args.crash}, save_every={args.save_every}, {args.rounds} rounds")
+    print("PROBE_SYNC" if os.environ.get("PROBE_SYNC") else "no extra synchronisation")
     print("step rank | " + " | ".join(keys) + "   (number of distinct values over the rounds)")
     for step in steps:
         for rank in (0, 1):
             values = [r.get((step, rank)) for r in rounds]
             present = [v for v in values if v is not None]
-            distinct = {k: len({v[k] for v in present}) for k in keys}
+            distinct = {k: len({v.get(k) for v in present}) for k in keys}
             report.append({"step": step, "rank": rank, "distinct": distinct,
-                           "values": [{k: float.fromhex(v[k]) for k in keys} if v else None for v in values]})
+                           "values": [{k: v.get(k) for k in keys} if v else None for v in values]})
             print(f"{step:4d} {rank:4d} | " + " | ".join(f"{distinct[k]:>{len(k)}d}" for k in keys))
-        same_ranks = all(r.get((step, 0), {}).get("whole") == r.get((step, 1), {}).get("whole") for r in rounds)
-        print(f"          controller equal on both processes in every round: {same_ranks}")
+        for key in ("whole_grad_averaged", "whole"):
+            same = [r.get((step, 0), {}).get(key) == r.get((step, 1), {}).get(key) for r in rounds]
+            print(f"          {key} equal on both processes, round by round: {same}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = f"probe_{args.strategy}_{'crash' if args.crash else 'full'}_save{args.save_every}.json"
+        sync = "_sync" if os.environ.get("PROBE_SYNC") else ""
+        name = f"probe_{args.strategy}_{'crash' if args.crash else 'full'}_save{args.save_every}{sync}.json"
         (args.out / name).write_text(json.dumps(report, indent=1))
     return 0
 

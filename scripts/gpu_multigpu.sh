@@ -8,7 +8,7 @@
 #      memory per GPU and the losses, from the trainer's own metrics.
 # A step that would not fit in the time left is skipped and says so. Logs and metrics under $OUT.
 #   STEPS (default 16) optimizer steps per training run; LOG_EVERY (2): the first window is warm-up, left out.
-#   PROBE=1: the FSDP resume probe first (PROBE_ROUNDS rounds with the crash, 3 without the save).
+#   PROBE=1: the FSDP probe first (below).
 #   REPEATS (5): timed steps per variant in the benchmark. SKIP=tests,bench,train leaves steps out.
 #   PROFILE=1: the benchmark also traces two steps per launch and variant (operator tables in $OUT/profile).
 #   TRAIN_STRATEGIES (default "ddp fsdp"): the `bem train` launches on two GPUs. TESTS_K, TEST_ROUNDS: which
@@ -51,14 +51,15 @@ fi
 # BEM_DISABLE_KERNELS: a test process must not load the extension the build finishes meanwhile (a run and its
 # resumption would then compute with different kernels)
 # TESTS_K picks tests by pytest's -k; TEST_ROUNDS (default 1) runs them that many times (is a failure flaky?)
-# PROBE=1: where runs of the FSDP resume test part ways (scripts/fsdp_resume_probe.py), with the crash and the
-# step-4 save, and without the save
+# PROBE=1: where runs of the same FSDP training part ways (scripts/fsdp_resume_probe.py): PROBE_ROUNDS runs of
+# PROBE_STEPS steps without checkpoints, then the same with a device synchronisation and a barrier around the
+# controller's gradient all-reduce
 if [ -n "${PROBE:-}" ]; then
-    run probe_crash 200 env BEM_DISABLE_KERNELS=1 python3 scripts/fsdp_resume_probe.py --rounds "${PROBE_ROUNDS:-4}" \
-        --crash --out "$OUT"
-    run probe_nosave 150 env BEM_DISABLE_KERNELS=1 python3 scripts/fsdp_resume_probe.py --rounds 3 --save-every 0 \
-        --out "$OUT"
-    tail -30 "$OUT/probe_crash.log" "$OUT/probe_nosave.log"
+    for sync in "" 1; do
+        run "probe${sync:+_sync}" 200 env BEM_DISABLE_KERNELS=1 PROBE_SYNC=$sync python3 scripts/fsdp_resume_probe.py \
+            --rounds "${PROBE_ROUNDS:-4}" --steps "${PROBE_STEPS:-3}" --save-every 0 --out "$OUT"
+        tail -n 30 "$OUT/probe${sync:+_sync}.log"
+    done
 fi
 if ! skipped tests; then
     for round in $(seq "${TEST_ROUNDS:-1}"); do
