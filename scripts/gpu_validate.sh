@@ -4,7 +4,7 @@
 # Usage: bash scripts/gpu_validate.sh [probe] [errors] [kernel-tests] [gpu-tests] [gpu-tests-isolated]
 #        [mixer-tests] [mixer-errors]
 #        [fftconv-bench] [mlstm-bench] [mlstm-tests] [training-tests] [sweep] [profile] [train] [train-sweep] [breakdown]
-#        [prefill-breakdown] [host-cost] [host-cost-ranks] [gemm-tests] [inference-tests] [eager-sweep]
+#        [prefill-breakdown] [controller-profile] [host-cost] [host-cost-ranks] [gemm-tests] [inference-tests] [eager-sweep]
 #        [bench] [bench-shapes] [mode-sweep] [conv1d-sweep] [backward-sweep] [sass] [ncu] [cpu-tests]   (bench-shapes reads
 #        BENCH_SHAPES, e.g. 1x4096x4096x8,...; the sweeps read SWEEP_SHAPES the same way, or sweep their
 #        default shapes; prefill-breakdown reads BREAKDOWN_MODEL: llama-1b or gpt2; sweep reads SWEEP_CONFIGS,
@@ -109,6 +109,10 @@ for what in "$@"; do
         step "inference_$file" ${INFERENCE_TESTS_LIMIT:-200} python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
           --tb=short "tests/gpu/$file.py"
       done ;;
+    # the routing controller alone at every profile config's shapes; CONTROLLER_BEFORE: an earlier controller.py
+    controller-profile) step controller_profile ${CONTROLLER_LIMIT:-240} python3 scripts/controller_profile.py \
+        ${CONTROLLER_CONFIGS:+--configs $CONTROLLER_CONFIGS} ${CONTROLLER_BEFORE:+--before "$CONTROLLER_BEFORE"} \
+        --json "$OUT/controller_profile.json" ;;
     prefill-breakdown) step prefill_breakdown 300 env PYTHONPATH=. python3 scripts/prefill_breakdown.py \
         ${BREAKDOWN_MODEL:+--model "$BREAKDOWN_MODEL"} ;;
     cpu-tests) step cpu_tests 300 python3 -m pytest -q -x -p no:cacheprovider tests --ignore=tests/gpu ;;

@@ -161,3 +161,69 @@ def test_graphs_of_a_controller_destroyed_inside_a_capture_are_kept_until_after_
         capturing[0] = False
         controller_graphs._release_deferred()
         assert controller_graphs._DEFERRED == []
+
+
+def _codes_head_by_head(controller, z, p, chunk_ctx):
+    """The codes from each head on its own (prefix + chunk, plus token on its modules), the clamp and the gate."""
+    B, T, _ = z.shape
+    M, r = controller.num_modules, controller.rank
+    dynamic = controller.prefix_head(p).view(B, T, M, r) + controller.chunk_head(chunk_ctx).view(B, T, M, r)
+    zp = torch.cat([z, p], dim=-1)
+    if controller.token_head is not None:
+        dynamic = dynamic.index_add(2, controller.token_module_indices, controller.token_head(zp).view(B, T, -1, r))
+    norm = torch.linalg.vector_norm(dynamic, dim=-1, keepdim=True)
+    clamped = dynamic * torch.clamp(controller.code_clamp_value / norm, max=1.0)
+    gate = torch.ones(B, T, 1, dtype=z.dtype)
+    if controller.gate is not None:
+        gate = torch.sigmoid(controller.gate(zp) / controller.gate_log_temperature.exp())
+    return (gate.unsqueeze(-1) * (controller.static_codes + clamped)).permute(2, 0, 1, 3)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"enable_uncertainty": False}, {"enable_token_routing": False},
+                                       {"token_module_indices": [0, 1, 2]}])
+@pytest.mark.parametrize("grad", [False, True])
+def test_stacked_heads_equal_the_heads_one_by_one(overrides, grad):
+    controller = make_controller(seed=9, **overrides)
+    with torch.no_grad():
+        controller.gate_log_temperature.fill_(0.3) if controller.gate is not None else None
+    z, p, ctx = (torch.randn(2, 7, 8, dtype=torch.float64) for _ in range(3))
+    with torch.set_grad_enabled(grad):
+        codes, levels = controller._codes(z, p, ctx, torch.float64)
+        expected = _codes_head_by_head(controller, z, p, ctx)
+    assert torch.allclose(codes, expected, atol=1e-12)
+    # the levels of an inference call, computed when read, are each head's own
+    assert torch.allclose(levels["prefix"], controller.prefix_head(p).view(2, 7, 3, 4), atol=1e-12)
+    assert torch.allclose(levels["chunk"], controller.chunk_head(ctx).view(2, 7, 3, 4), atol=1e-12)
+    assert (levels["token"] is None) == (controller.token_head is None)
+    assert torch.allclose(levels["codes"], expected.permute(1, 2, 0, 3), atol=1e-12)
+    assert set(levels) == {"prefix", "chunk", "dynamic", "token", "gate", "codes"}
+
+
+def test_kept_stacked_weights_follow_every_change_of_a_head():
+    """Inference calls keep the heads' stacked weights between calls; an in-place update of any head's
+    parameter, or a replaced parameter, is in the next call."""
+    controller = make_controller(seed=10)
+    hidden = torch.randn(2, 8, 12, dtype=torch.float64)
+
+    def both():
+        with torch.no_grad():
+            kept = controller(hidden).codes
+        with torch.enable_grad():  # autograd stacks the weights in the call
+            made = controller(hidden).codes.detach()
+        return kept, made
+
+    kept, made = both()
+    assert torch.allclose(kept, made, atol=1e-12)
+    modules = [controller.prefix_head[0], controller.prefix_head[2], controller.chunk_head[0],
+               controller.chunk_head[2], controller.token_head[0], controller.token_head[2], controller.gate]
+    for module in modules:
+        for name in ("weight", "bias"):
+            with torch.no_grad():
+                getattr(module, name).add_(0.1)
+            kept_after, made_after = both()
+            assert torch.allclose(kept_after, made_after, atol=1e-12), (module, name)
+            assert not torch.allclose(kept_after, kept), (module, name)
+            kept = kept_after
+    controller.chunk_head[2].weight = torch.nn.Parameter(torch.randn_like(controller.chunk_head[2].weight))
+    kept_after, made_after = both()
+    assert torch.allclose(kept_after, made_after, atol=1e-12) and not torch.allclose(kept_after, kept)

@@ -19,10 +19,13 @@ makes cached generation give the same codes as a full forward.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from collections.abc import Mapping
 from typing import Optional
 
 import torch
 import torch.nn as nn
+
+from .controller_heads import RoutingLevels, StackedWeights, heads_and_gate
 
 # Gate bias at init: sigmoid(4) ≈ 0.982, so the gate starts close to one (DESIGN §2).
 GATE_INIT_BIAS = 4.0
@@ -67,7 +70,7 @@ class RoutingState:
 class RoutingOutput:
     codes: torch.Tensor  # (M, B, T, r) in the requested dtype
     state: Optional[RoutingState]
-    levels: dict  # gate, codes and (outside training passes) each level's contribution, for routing_stats()
+    levels: Mapping  # gate, codes and (outside training passes) each level's contribution, for routing_stats()
 
 
 def _head(in_dim: int, hidden: int, out_dim: int) -> nn.Sequential:
@@ -119,6 +122,7 @@ class HierarchicalController(nn.Module):
         from .controller_graphs import ControllerGraphs  # CUDA-graph replay of calls at inference
 
         self.graphs = ControllerGraphs(self)
+        self.stacked = StackedWeights()  # the heads' stacked weights at inference (controller_heads)
         self._ema_weights_made: dict[tuple, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ shared pieces
@@ -142,41 +146,47 @@ class HierarchicalController(nn.Module):
         """The side signals' projection (after check_side)."""
         return None if self.side_proj is None else self.side_proj(side_signals.to(self.side_proj.weight.dtype))
 
-    def _codes(self, z: torch.Tensor, p: torch.Tensor, chunk_ctx: torch.Tensor, out_dtype: torch.dtype):
-        """Combine the levels for tokens with features z, prefix p and chunk context (all (B, T, d))."""
-        B, T, _ = z.shape
-        M, r = self.num_modules, self.rank
-        prefix = self.prefix_head(p).view(B, T, M, r)
-        chunk = self.chunk_head(chunk_ctx).view(B, T, M, r)
-        dynamic = prefix + chunk
-        zp = torch.cat([z, p], dim=-1)
-        token = None
-        if self.token_head is not None:
-            token = self.token_head(zp).view(B, T, -1, r)
-            dynamic = dynamic.index_add(2, self.token_module_indices, token)
-        # clamp_τ(v) = v * min(1, τ / ||v||), written so that ||v|| = 0 gives a scale of exactly 1
+    def clamp_scale(self, dynamic: torch.Tensor) -> torch.Tensor:
+        """clamp_τ(v) = v * min(1, τ / ||v||) as that scale over v's last dim, exactly 1 where ||v|| = 0."""
         norm = torch.linalg.vector_norm(dynamic, dim=-1, keepdim=True)
         tau = self.code_clamp_value
-        scale = tau / torch.clamp(norm, min=tau)
-        if self.gate is not None:
-            temperature = self.gate_log_temperature.exp()
-            gate = torch.sigmoid(self.gate(zp) / temperature)
+        return tau / torch.clamp(norm, min=tau)
+
+    def _codes(self, z: torch.Tensor, p: torch.Tensor, chunk_ctx: torch.Tensor, out_dtype: torch.dtype):
+        """Combine the levels for tokens with features z, prefix p and chunk context (all (B, T, d)):
+        (codes (M, B, T, r) in out_dtype, levels)."""
+        B, T, _ = z.shape
+        M, r = self.num_modules, self.rank
+        dynamic, logit = heads_and_gate(self, z, p, chunk_ctx)  # prefix + chunk (+ token), one product
+        dynamic = dynamic.view(B, T, M, r)
+        scale = self.clamp_scale(dynamic)
+        gate = None if logit is None else torch.sigmoid(logit / self.gate_log_temperature.exp())
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
             # g * (static + scale * dynamic), arranged so autograd keeps one full-size tensor (dynamic)
-            codes = gate.unsqueeze(-1) * self.static_codes + dynamic * (gate.unsqueeze(-1) * scale)
+            if gate is None:
+                codes = self.static_codes + dynamic * scale
+            else:
+                g = gate.unsqueeze(-1)
+                codes = torch.addcmul(g * self.static_codes, dynamic, g * scale)
+            out = codes.permute(2, 0, 1, 3).to(out_dtype).contiguous()
         else:
-            gate = None
-            codes = self.static_codes + dynamic * scale
-        out = codes.permute(2, 0, 1, 3).to(out_dtype).contiguous()
+            # no autograd: scale dynamic in place and write the codes straight into their (M, B, T, r) layout
+            # and dtype, two full-size passes instead of five
+            out = torch.empty((M, B, T, r), dtype=out_dtype, device=z.device)
+            if gate is None:
+                torch.addcmul(self.static_codes, dynamic, scale, out=out.permute(1, 2, 0, 3))
+            else:
+                g = gate.unsqueeze(-1)
+                torch.addcmul(dynamic.mul_(g * scale), g, self.static_codes, out=out.permute(1, 2, 0, 3))
         gate_seen = None if gate is None else gate.detach()
+        codes_seen = out.detach().permute(1, 2, 0, 3)
         if self.training and torch.is_grad_enabled():
             # training passes keep only what is alive anyway (the codes every block reads) and the
             # small gate; the per-level tensors would only cost memory
             levels = {"prefix": None, "chunk": None, "dynamic": None, "token": None, "gate": gate_seen,
-                      "codes": out.detach().permute(1, 2, 0, 3)}
+                      "codes": codes_seen}
         else:
-            levels = {"prefix": prefix.detach(), "chunk": chunk.detach(), "dynamic": (dynamic * scale).detach(),
-                      "token": None if token is None else token.detach(), "gate": gate_seen,
-                      "codes": codes.detach()}
+            levels = RoutingLevels(self, z.detach(), p.detach(), chunk_ctx.detach(), gate_seen, codes_seen)
         return out, levels
 
     # ------------------------------------------------------------------ whole sequences
@@ -195,6 +205,7 @@ class HierarchicalController(nn.Module):
         self.check_side(side_signals, B)
         outputs = None
         if self.graphs.forward_eligible(hidden):
+            self.stacked.refresh(self)  # a replay reads the kept stacked weights: bring them up to date first
             outputs = self.graphs.run_forward(hidden, attention_mask, side_signals, out_dtype, return_state)
         if outputs is None:
             outputs = self.forward_math(hidden, attention_mask, side_signals, out_dtype, return_state)
@@ -303,6 +314,7 @@ class HierarchicalController(nn.Module):
         mask = self._mask(attention_mask, B, T, self.input_proj.weight.dtype, hidden.device)
         tensors = (state.count, state.prefix_sum, state.chunk_ema, state.open_sum, state.side)
         if self.graphs.step_eligible(hidden):
+            self.stacked.refresh(self)  # a replay reads the kept stacked weights: bring them up to date first
             codes, levels, *advanced = self.graphs.run_step(hidden, mask, tensors, out_dtype)
         else:
             codes, levels, *advanced = self.step_math(hidden, mask, *tensors, out_dtype=out_dtype)

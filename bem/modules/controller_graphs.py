@@ -132,7 +132,8 @@ class ControllerGraphs:
             if len(self._steps) >= MAX_STEP_GRAPHS:
                 self._steps.clear()
             math = lambda *tensors: controller.step_math(*tensors, out_dtype=out_dtype)  # noqa: E731
-            captured = self._steps[key] = _CapturedCall(math, inputs)
+            with controller.stacked.own_capture():
+                captured = self._steps[key] = _CapturedCall(math, inputs)
         codes, levels, *advanced = captured.run(inputs)
         return (codes.clone(), levels, *_clone(advanced))
 
@@ -167,7 +168,8 @@ class ControllerGraphs:
                 oldest = next(iter(self._forwards))
                 del self._forwards[oldest], self._forward_values[oldest]
             math = lambda h, m, s: controller.forward_math(h, m, s, out_dtype, return_state)  # noqa: E731
-            captured = self._forwards[key] = _CapturedCall(math, inputs)
+            with controller.stacked.own_capture():
+                captured = self._forwards[key] = _CapturedCall(math, inputs)
             self._forward_values[key] = values
         codes, levels, state = captured.run(inputs)
         return codes.clone(), levels, None if state is None else tuple(_clone(state))

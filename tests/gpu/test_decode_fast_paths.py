@@ -90,6 +90,30 @@ def test_graph_replayed_forward_equals_the_eager_forward(batch, padded, side):
     assert not torch.equal(replayed[2].state.prefix_sum, replayed[3].state.prefix_sum)
 
 
+def test_replays_read_head_weights_changed_in_place_since_the_capture():
+    """The replays read the heads' stacked weights, which the controller keeps between calls: an optimizer's
+    in-place update after the capture (and a module replaced by a new one) reach the next replay."""
+    controller = _controller(11)
+    hidden = torch.randn(2, 9, 48, device="cuda")
+    with torch.no_grad():
+        controller(hidden), controller(hidden)  # captured at the second call
+        state = controller(hidden[:, :5], return_state=True).state
+        controller.step(hidden[:, 5:6], state)  # the step graph
+        assert len(controller.graphs._forwards) == 1 and len(controller.graphs._steps) == 1
+        for change in ("in place", "replaced"):
+            if change == "in place":
+                for module in (controller.prefix_head[2], controller.token_head[0], controller.gate):
+                    module.weight.add_(0.25)
+            else:
+                controller.chunk_head[2].weight = torch.nn.Parameter(torch.randn_like(controller.chunk_head[2].weight))
+            replayed = controller(hidden).codes
+            stepped = controller.step(hidden[:, 5:6], state).codes
+            with torch.enable_grad():  # autograd: eager, with the weights stacked in the call
+                eager, eager_step = controller(hidden).codes, controller.step(hidden[:, 5:6], state).codes
+            assert torch.allclose(replayed, eager, atol=1e-6), change
+            assert torch.allclose(stepped, eager_step, atol=1e-6), change
+
+
 def test_forward_graphs_only_for_repeated_small_calls():
     from bem.modules import controller_graphs
 
