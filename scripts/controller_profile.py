@@ -92,6 +92,9 @@ def main() -> int:
         variants = {"now": model.controller}
         if before is not None:
             old = before.HierarchicalController(**controller_kwargs(model.controller)).to(device).eval()
+            if not hasattr(old, "stacked"):  # today's graph cache enters the stacked weights' capture scope
+                from bem.modules.controller_heads import StackedWeights
+                old.stacked = StackedWeights()
             old.load_state_dict(model.controller.state_dict())
             variants = {"before": old, **variants}
         H = model.controller.hidden_size
