@@ -88,7 +88,7 @@ def main() -> int:
     for name in args.configs:
         config = load_profile_config(REPO / "configs" / f"profile_{name}.yaml")
         base = load_base_model(config.model, device, config.seed)
-        model = create_hierarchical_bem(base, config.bem).eval()
+        model = create_hierarchical_bem(base, config.bem_config()).eval()
         variants = {"now": model.controller}
         if before is not None:
             old = before.HierarchicalController(**controller_kwargs(model.controller)).to(device).eval()
