@@ -128,6 +128,14 @@ def main() -> int:
                             c(hidden, mask, None, out_dtype=torch.bfloat16, return_state=True)
                     calls[f"{label} eager"] = eager
                     calls[f"{label} call"] = replayed  # replayed from a graph where the size allows
+            row["graph_mib"] = {}
+            for label, fn in calls.items():  # the first two calls capture the graph where the size allows
+                if label.endswith("call"):
+                    torch.cuda.synchronize()
+                    before_capture = torch.cuda.memory_allocated()
+                    fn(), fn()
+                    torch.cuda.synchronize()
+                    row["graph_mib"][label] = (torch.cuda.memory_allocated() - before_capture) / 2**20
             timings = {label: [] for label in calls}
             for _ in range(3):  # interleaved rounds
                 for label, fn in calls.items():
@@ -147,6 +155,8 @@ def main() -> int:
             for label in calls:
                 extra = row["kernels"].get(label)
                 extra = f"  {extra['launches']:4d} kernels, {extra['kernel_ms']:.3f} ms summed" if extra else ""
+                if label in row["graph_mib"]:
+                    extra = f"  graph memory {row['graph_mib'][label]:.1f} MiB"
                 print(f"  {label:24s} {row['ms'][label]:8.3f} ms (spread {row['spread_ms'][label]:.3f}){extra}")
             for label, info in row["kernels"].items():
                 print(f"  -- {label}: top kernels")

@@ -229,7 +229,9 @@ class HierarchicalController(nn.Module):
         pos = (seen - 1).clamp(min=0).long()  # position from the first real token
 
         in_prefix = mask * (seen <= P)
-        prefix_sum = (z * in_prefix.unsqueeze(-1)).cumsum(1)
+        # the running sum along the tokens as a scan over the innermost dim of a (B, d, T) copy: torch's scan
+        # along an outer dim runs one thread per (row, channel) over all T (0.18 ms of a 0.5 ms call at 8x1024)
+        prefix_sum = (z * in_prefix.unsqueeze(-1)).transpose(1, 2).cumsum(-1).transpose(1, 2)
         p = prefix_sum / seen.clamp(1, P).unsqueeze(-1)  # the prefix holds the first min(seen, P) real tokens
 
         # chunk sums over real tokens; padding goes to an extra slot that is dropped
