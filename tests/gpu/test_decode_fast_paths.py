@@ -118,6 +118,16 @@ def test_forward_graphs_only_for_repeated_small_calls():
     from bem.modules import controller_graphs
 
     controller = _controller(3)
+    # a smaller limit than the default, the same rule: the default's calls take gigabytes (the EMA's matrix)
+    saved_max = controller_graphs.FORWARD_MAX_CODE_VALUES
+    controller_graphs.FORWARD_MAX_CODE_VALUES = 2**15
+    try:
+        _only_repeated_small_calls(controller, controller_graphs)
+    finally:
+        controller_graphs.FORWARD_MAX_CODE_VALUES = saved_max
+
+
+def _only_repeated_small_calls(controller, controller_graphs) -> None:
     limit_tokens = controller_graphs.FORWARD_MAX_CODE_VALUES // (controller.num_modules * controller.rank)
     with torch.no_grad():
         for length in (5, 6, 7):  # each seen once
