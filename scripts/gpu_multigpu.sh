@@ -43,7 +43,8 @@ run() {  # run NAME SECONDS COMMAND...: one step, its log in $OUT/NAME.log; skip
 
 # the extension builds in the background while the tests (which train without it) run
 build_rc=0
-if [ -z "${SKIP_BUILD:-}" ] || ! ls bem/_C*.so >/dev/null 2>&1; then
+needs_build() { ! skipped bench || ! skipped train; }  # the tests and the probe train without the extension
+if needs_build && { [ -z "${SKIP_BUILD:-}" ] || ! ls bem/_C*.so >/dev/null 2>&1; }; then
     ( start=$(date +%s); BEM_BUILD_CUDA=1 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1; rc=$?
       echo "build: exit $rc, $(( $(date +%s) - start )) s" >"$OUT/build.status"; exit $rc ) &
     build_pid=$!
@@ -53,9 +54,10 @@ fi
 # TESTS_K picks tests by pytest's -k; TEST_ROUNDS (default 1) runs them that many times (is a failure flaky?)
 # PROBE=1: where runs of the same FSDP training part ways (scripts/fsdp_resume_probe.py): PROBE_ROUNDS runs of
 # PROBE_STEPS steps without checkpoints, then the same with a device synchronisation and a barrier around the
-# controller's gradient all-reduce
+# controller's gradient all-reduce (PROBE_VARIANTS, default "plain sync")
 if [ -n "${PROBE:-}" ]; then
-    for sync in "" 1; do
+    for sync in ${PROBE_VARIANTS:-plain sync}; do
+        [ "$sync" = sync ] && sync=1 || sync=""
         run "probe${sync:+_sync}" 200 env BEM_DISABLE_KERNELS=1 PROBE_SYNC=$sync python3 scripts/fsdp_resume_probe.py \
             --rounds "${PROBE_ROUNDS:-4}" --steps "${PROBE_STEPS:-3}" --save-every 0 --out "$OUT"
         tail -n 30 "$OUT/probe${sync:+_sync}.log"

@@ -151,3 +151,16 @@ def test_a_checkpoint_from_before_the_strategy_was_recorded_reads_as_ddp(tmp_pat
         {"step": 4, "epoch": 0, "micro_batch_in_epoch": 4, "tokens_seen": 100, "world_size": 1, "batch_size": 8,
          "gradient_accumulation_steps": 1}))
     assert read_trainer_state(tmp_path).distributed == "ddp"
+
+
+def test_the_adapter_starts_the_same_whether_the_fresh_base_was_built_or_loaded(small_data, tmp_path):
+    """A run without `model.path` builds a random base and saves it; the next run (a resume, or another process
+    of the same run that comes after the save) loads it instead, drawing nothing from the random generator. The
+    adapter's initial weights must not depend on which happened: processes that disagree would train apart."""
+    from bem.training.trainer import Trainer
+
+    config = load_train_config(REPO / "configs/tiny.yaml", overrides(small_data, tmp_path / "run"))
+    built = Trainer(config, echo=lambda _: None)
+    assert (built.base_dir / "config.json").is_file()
+    loaded = Trainer(config, echo=lambda _: None)  # finds the base the first one saved
+    assert_same_adapter(built.bem_model.bem_state_dict(), loaded.bem_model.bem_state_dict())

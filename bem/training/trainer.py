@@ -61,6 +61,9 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+ADAPTER_SEED_OFFSET = 1  # the adapter's initial weights: seed training.seed + 1 (the base's draws use training.seed)
+
+
 class Trainer:
     def __init__(self, config: TrainConfig, echo: Callable[[str], None] = print) -> None:
         from accelerate.utils import set_seed
@@ -74,7 +77,7 @@ class Trainer:
         self.echo = echo if self.is_main else (lambda _msg: None)
         self.output_dir = config.output_dir
         self.base_dir = self.output_dir / "base_model"
-        set_seed(training.seed)  # same fresh base and same BEM init on every process
+        set_seed(training.seed)  # the same fresh base on every process (the adapter reseeds, _build_model)
         self._build_data()
         self._build_model()
 
@@ -93,6 +96,8 @@ class Trainer:
         self.train_examples, self.eval_examples = train, evaluation
 
     def _build_model(self) -> None:
+        from accelerate.utils import set_seed
+
         from .. import create_hierarchical_bem
 
         config, training = self.config, self.config.training
@@ -104,6 +109,11 @@ class Trainer:
             enable_gradient_checkpointing(base)
         bem_config = config.bem
         bem_config.base_model_name_or_path = config.model.path or str(self.base_dir)
+        # The adapter's initial weights draw from a seed of their own, whatever the base took from the generator:
+        # a fresh base is initialised at random, while a saved one loads without drawing, and the processes of one
+        # run can differ in that (the others may find the base process 0 saved moments earlier). Under FSDP nothing
+        # broadcasts one process's weights to the others, so they would train different adapters.
+        set_seed(training.seed + ADAPTER_SEED_OFFSET)
         model = create_hierarchical_bem(base, bem_config)
         params = trainable_parameters(model)
         if training.mixed_precision != "no":
