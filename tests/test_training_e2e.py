@@ -52,6 +52,33 @@ def test_run_layout_and_checkpoints(trained_run):
     assert state["step"] == 40
 
 
+def test_token_counts_are_exact_wherever_they_are_read(tmp_path):
+    """A step's loss and token counts stay on the device until a log line or a checkpoint reads them. With logs
+    and checkpoints at different steps, each reads the count of every step before it: the same numbers as a run
+    that logs every step."""
+    def run(name: str, log_every: int, save_every: int) -> Path:
+        output_dir = tmp_path / name
+        assert train_main(tiny_args(output_dir, "training.max_steps=9", f"training.log_every={log_every}",
+                                    f"training.save_every={save_every}", "training.save_total_limit=null",
+                                    "data.eval=null")) == 0
+        return output_dir
+
+    def logged(output_dir: Path) -> dict[int, tuple[int, float]]:
+        records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: (r["tokens_seen"], r["loss"]) for r in records if "tokens_seen" in r}
+
+    every_step = logged(run("every_step", 1, 0))
+    assert sorted(every_step) == list(range(1, 10))
+    sparse_dir = run("sparse", 4, 3)
+    sparse = logged(sparse_dir)
+    assert sorted(sparse) == [4, 8, 9]
+    for step, (tokens, loss) in sparse.items():
+        assert tokens == every_step[step][0] and loss == pytest.approx(every_step[step][1], rel=1e-6), step
+    for step in (3, 6, 9):
+        state = json.loads((sparse_dir / f"checkpoints/step-{step:08d}/trainer_state.json").read_text())
+        assert state["tokens_seen"] == every_step[step][0], step
+
+
 def test_adapter_reloads_onto_the_saved_base(trained_run):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM

@@ -275,13 +275,23 @@ class Trainer:
         batches = self._micro_batches(state)
         loss_value, eval_result = float("nan"), None
         window_start, window_tokens = time.perf_counter(), 0
+        # a step's loss and token counts stay on the device until a log or a checkpoint needs them: a step ends
+        # without waiting for the device, and the host queues the next one meanwhile (under FSDP the host's share
+        # of a step is large)
+        loss, pending = None, None
         self.model.train()
         while step < self.total_steps and (stop_at_step is None or step < stop_at_step):
-            loss_value, counts = self._optimizer_step([next(batches) for _ in range(training.gradient_accumulation_steps)])
+            loss, counts = self._optimizer_step([next(batches) for _ in range(training.gradient_accumulation_steps)])
             step += 1
-            tokens_seen += int(counts[0])
-            window_tokens += int(counts[1])
-            if step % training.log_every == 0 or step == self.total_steps:
+            pending = counts if pending is None else pending + counts
+            final = step == self.total_steps
+            logging_now = step % training.log_every == 0 or final
+            saving = bool(training.save_every and step % training.save_every == 0) or final
+            if logging_now or saving:
+                target_tokens, input_tokens = (int(x) for x in pending.tolist())
+                tokens_seen, window_tokens, pending = tokens_seen + target_tokens, window_tokens + input_tokens, None
+                loss_value = float(loss)
+            if logging_now:
                 elapsed = max(time.perf_counter() - window_start, 1e-9)
                 record = {"step": step, "loss": loss_value, "lr": self.scheduler.get_last_lr()[0],
                           "tokens_per_s": window_tokens / elapsed, "tokens_seen": tokens_seen,
@@ -294,18 +304,19 @@ class Trainer:
                 window_start, window_tokens = time.perf_counter(), 0
             if progress is not None:
                 progress.update(1)
-            final = step == self.total_steps
             if (training.eval_every and step % training.eval_every == 0) or final:
                 eval_result = self.evaluate()
                 if eval_result is not None and self.is_main:
                     metrics.write({"step": step, **eval_result})
                     self._write(f"step {step}: {format_summary(eval_result)}", progress)
-            if (training.save_every and step % training.save_every == 0) or final:
+            if saving:
                 path = self.save_checkpoint(step, tokens_seen)
                 self._write(f"saved checkpoint {path}", progress)
         if progress is not None:
             progress.close()
         metrics.close()
+        if loss is not None:
+            loss_value = float(loss)
         if step < self.total_steps:
             return TrainResult(None, step, loss_value, None, self.is_main)
         adapter_dir = self.output_dir / "adapter"
@@ -323,7 +334,8 @@ class Trainer:
                            self.is_main)
 
     def _optimizer_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, torch.Tensor]:
-        """One optimizer step over `micro_batches`; returns the global mean loss and (target, input) tokens."""
+        """One optimizer step over `micro_batches`; returns the global mean loss and the (target, input) token
+        counts, as device tensors (reading them waits for the step)."""
         accelerator = self.accelerator
         local = torch.stack([sum(target_token_count(b["labels"]) for b in micro_batches),
                              sum(b["attention_mask"].sum() for b in micro_batches)]).to(accelerator.device)
@@ -350,8 +362,7 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = float(accelerator.reduce(loss_sum, "sum") / counts[0].clamp_min(1))
-        return loss, counts.cpu()
+        return accelerator.reduce(loss_sum, "sum") / counts[0].clamp_min(1), counts
 
     # ------------------------------------------------------------------ output
     def _peak_memory(self) -> dict[str, Any]:
