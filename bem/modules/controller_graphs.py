@@ -5,14 +5,14 @@ once per generated token (the one-token decode step) and once per prompt (the wh
 ms of host time at 1024 tokens on an H200, a ninth of a 1B model's whole prefill). For inference on CUDA
 such a call is captured per input shape and replayed: inputs are copied into the graph's buffers, one
 replay runs every kernel, and the codes and the routing state are copied out, so that no two calls or
-caches ever share them. The per-level tensors kept for `routing_stats()` stay the graph's own: they
-always hold the latest call's values.
+caches ever share them. The inputs that `routing_stats()` computes the per-level tensors from stay the
+graph's own: they always hold the latest call's values.
 
 - the decode step is captured the first time a shape is seen (generation repeats it every token);
 - a whole-sequence call the second time (a prompt length seen once costs no capture). Each graph keeps
-  its intermediates' memory (measured on an H200 with a 1B Llama, 112 modules at rank 8: 102 MiB for
-  2340 tokens, 122 MiB for 4681 tokens, i.e. 30-50 bytes per code value, tokens x modules x rank). So a
-  call is captured only up to `FORWARD_MAX_CODE_VALUES` (4681 tokens of that model), and the graphs
+  its intermediates' memory (measured on an H100, `scripts/controller_profile.py`: about 40 MiB plus 4 bytes
+  per code value, tokens x modules x rank; 59 MiB for 4 x 1024 tokens of a 1B Llama, 112 modules at rank 8,
+  74 MiB for 13.8M code values). So a call is captured only up to `FORWARD_MAX_CODE_VALUES`, and the graphs
   kept hold at most `FORWARD_KEPT_CODE_VALUES` together and number at most `MAX_FORWARD_GRAPHS`, the
   oldest making room for a new one.
 
