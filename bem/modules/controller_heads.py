@@ -71,7 +71,7 @@ class StackedWeights:
         finally:
             self.in_own_capture = False
 
-    def usable(self, like: torch.Tensor, controller: "HierarchicalController") -> bool:
+    def usable(self, like: torch.Tensor) -> bool:
         """Whether a call on `like` may read the kept weights: no autograd, no compilation, and no capture but
         the controller's own."""
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
@@ -114,7 +114,7 @@ def heads_and_gate(controller: "HierarchicalController", z: torch.Tensor, p: tor
     """(dynamic (B, T, M*r) before the clamp, gate logit (B, T, 1) or None) for features z, prefix p and chunk
     context (all (B, T, d)). Under autograd, compilation or a capture not the controller's own the stacked
     weights are made in the call."""
-    if controller.stacked.usable(z, controller):
+    if controller.stacked.usable(z):
         W1, b1, W2, b2 = controller.stacked.get(controller)
     else:
         W1, b1, W2, b2 = stacked_weights(controller)

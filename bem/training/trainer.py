@@ -333,7 +333,7 @@ class Trainer:
         return TrainResult(adapter_dir, step, loss_value, None if eval_result is None else eval_result["eval_loss"],
                            self.is_main)
 
-    def _optimizer_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, torch.Tensor]:
+    def _optimizer_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over `micro_batches`; returns the global mean loss and the (target, input) token
         counts, as device tensors (reading them waits for the step)."""
         accelerator = self.accelerator
