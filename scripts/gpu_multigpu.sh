@@ -95,8 +95,8 @@ if ! skipped train; then
             training.gradient_accumulation_steps=1 training.distributed="$strategy" \
             training.output_dir="$OUT/$strategy"
     done
-    # twice the global batch: how much of a step's cost is paid once per optimizer step
-    run train_ddp_accumulating 100 env CUDA_VISIBLE_DEVICES=0,1 "${LAUNCH[@]}" "$CONFIG" "${COMMON[@]}" \
+    # ACCUMULATING=1: twice the global batch, how much of a step's cost is paid once per optimizer step
+    [ -n "${ACCUMULATING:-}" ] && run train_ddp_accumulating 100 env CUDA_VISIBLE_DEVICES=0,1 "${LAUNCH[@]}" "$CONFIG" "${COMMON[@]}" \
         training.gradient_accumulation_steps=2 training.distributed=ddp training.output_dir="$OUT/ddp_accumulating"
     python3 - "$OUT" <<'PY'
 import json, statistics, sys
@@ -113,7 +113,8 @@ for name, gpus in (("one", 1), ("ddp", 2), ("fsdp", 2), ("ddp_accumulating", 2))
     if len(records) < 2:
         print(f"{name:<17}{gpus:>5}  (no metrics: see train_{name}.log)")
         continue
-    rate = statistics.median(r["tokens_per_s"] for r in records[1:])  # the first window holds the warm-up
+    rates = [r["tokens_per_s"] for r in records[1:]]  # the first window holds the warm-up
+    rate = statistics.median(rates)
     per_gpu = rate / gpus
     if name == "one":
         baseline = per_gpu
@@ -121,7 +122,8 @@ for name, gpus in (("one", 1), ("ddp", 2), ("fsdp", 2), ("ddp_accumulating", 2))
     peaks = " ".join(f"{p:.2f}" for p in records[-1].get("peak_memory_gib_by_rank", []))
     print(f"{name:<17}{gpus:>5}{rate:>11.0f}{per_gpu:>10.0f}{ratio:>10}  {peaks:<18}"
           + " ".join(f"{r['loss']:.4f}" for r in records))
-    print(f"{'':<11}tokens/s of each window: " + " ".join(f"{r['tokens_per_s']:.0f}" for r in records))
+    print(f"{'':<11}tokens/s of each window: " + " ".join(f"{r['tokens_per_s']:.0f}" for r in records)
+          + f"  (after the first: {min(rates):.0f} to {max(rates):.0f})")
 PY
 fi
 [ -f "$OUT/throughput.log" ] && tail -8 "$OUT/throughput.log"
