@@ -84,21 +84,34 @@ skipped bench || run throughput 300 python3 benchmarks/train_throughput.py --pro
 CONFIG=configs/train_llama_1b.yaml
 COMMON=(training.max_steps="$STEPS" training.batch_size=4 data.max_length=2048 data.packing=true data.eval=null
         training.eval_every=0 training.save_every=0 training.log_every="$LOG_EVERY" logging.console=false)
-LAUNCH=(accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision bf16
-        --dynamo_backend no -m bem train)
+LAUNCH=(accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision bf16 --dynamo_backend no)
+# GC_PROBE=1: every run through scripts/gc_pause_probe.py (the garbage collector's pauses in the loop, under
+# $OUT/gc); a strategy named NAME_frozen in TRAIN_STRATEGIES runs NAME with the collector frozen before the loop
+entry() {  # entry RUN [--freeze]: what runs `bem train` for RUN
+    if [ -n "${GC_PROBE:-}" ]; then echo scripts/gc_pause_probe.py --gc-out "$OUT/gc/$1" $2; else echo -m bem train; fi
+}
 # each run builds the same random 1B base from the config's seed, so the losses compare
+RUNS=(one)
 if ! skipped train; then
-    run train_one 100 env CUDA_VISIBLE_DEVICES=0 python3 -m bem train "$CONFIG" "${COMMON[@]}" \
+    run train_one 100 env CUDA_VISIBLE_DEVICES=0 python3 $(entry one) "$CONFIG" "${COMMON[@]}" \
         training.gradient_accumulation_steps=2 training.output_dir="$OUT/one"
-    for strategy in ${TRAIN_STRATEGIES:-ddp fsdp}; do
-        run "train_$strategy" 100 env CUDA_VISIBLE_DEVICES=0,1 "${LAUNCH[@]}" "$CONFIG" "${COMMON[@]}" \
-            training.gradient_accumulation_steps=1 training.distributed="$strategy" \
-            training.output_dir="$OUT/$strategy"
+    for name in ${TRAIN_STRATEGIES:-ddp fsdp}; do
+        strategy=${name%_frozen} freeze=""
+        [ "$strategy" != "$name" ] && freeze=--freeze
+        run "train_$name" 100 env CUDA_VISIBLE_DEVICES=0,1 "${LAUNCH[@]}" $(entry "$name" $freeze) "$CONFIG" \
+            "${COMMON[@]}" training.gradient_accumulation_steps=1 training.distributed="$strategy" \
+            training.output_dir="$OUT/$name"
+        RUNS+=("$name")
     done
     # ACCUMULATING=1: twice the global batch, how much of a step's cost is paid once per optimizer step
-    [ -n "${ACCUMULATING:-}" ] && run train_ddp_accumulating 100 env CUDA_VISIBLE_DEVICES=0,1 "${LAUNCH[@]}" "$CONFIG" "${COMMON[@]}" \
-        training.gradient_accumulation_steps=2 training.distributed=ddp training.output_dir="$OUT/ddp_accumulating"
-    python3 - "$OUT" <<'PY'
+    if [ -n "${ACCUMULATING:-}" ]; then
+        run train_ddp_accumulating 100 env CUDA_VISIBLE_DEVICES=0,1 "${LAUNCH[@]}" $(entry ddp_accumulating) \
+            "$CONFIG" "${COMMON[@]}" training.gradient_accumulation_steps=2 training.distributed=ddp \
+            training.output_dir="$OUT/ddp_accumulating"
+        RUNS+=(ddp_accumulating)
+    fi
+    [ -n "${GC_PROBE:-}" ] && grep -h "generation\|no collection" "$OUT"/train_*.log
+    python3 - "$OUT" "${RUNS[@]}" <<'PY'
 import json, statistics, sys
 from pathlib import Path
 
@@ -106,7 +119,8 @@ out = Path(sys.argv[1])
 print(f"{'run':<17}{'GPUs':>5}{'tokens/s':>11}{'per GPU':>10}{'x one GPU':>10}  {'peak GiB per GPU':<18}"
       f"{'losses, every log':<40}")
 baseline = None
-for name, gpus in (("one", 1), ("ddp", 2), ("fsdp", 2), ("ddp_accumulating", 2)):
+for name in sys.argv[2:]:
+    gpus = 1 if name == "one" else 2
     path = out / name / "metrics.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
     records = [r for r in records if "loss" in r]
@@ -129,5 +143,7 @@ fi
 [ -f "$OUT/throughput.log" ] && tail -8 "$OUT/throughput.log"
 printf '%s\n' "${SUMMARY[@]}"
 # a call brings back few files: the logs and metrics in one archive, the weights left behind
-(cd "$OUT" && find . -name '*.safetensors' -delete && tar czf logs.tgz --exclude=logs.tgz --exclude=console.log . \
-   && find . -mindepth 1 ! -name logs.tgz ! -name console.log ! -name processes.json -delete)
+# (tar's exit 1 is "a file changed as it was read": console.log, still being written, is left out anyway)
+(cd "$OUT" && find . -name '*.safetensors' -delete && { tar czf logs.tgz --warning=no-file-changed --exclude=logs.tgz \
+   --exclude=console.log . ; [ $? -le 1 ]; } && find . -mindepth 1 ! -name logs.tgz ! -name console.log \
+   ! -name processes.json -delete)

@@ -199,6 +199,21 @@ def test_stacked_heads_equal_the_heads_one_by_one(overrides, grad):
     assert set(levels) == {"prefix", "chunk", "dynamic", "token", "gate", "codes"}
 
 
+def test_levels_read_after_an_autocast_call_are_those_of_the_call():
+    """routing_stats() reads the levels after the call, outside its autocast (an evaluation under bf16 mixed
+    precision, float32 heads): they are recomputed under the call's autocast, not from bf16 inputs against
+    float32 weights."""
+    controller = make_controller(seed=11).float()
+    hidden = torch.randn(2, 7, 12)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = controller(hidden)
+        inside = {key: out.levels[key] for key in ("prefix", "chunk", "token", "dynamic")}
+    for key, value in inside.items():
+        after = out.levels[key]
+        assert after.dtype == value.dtype == torch.bfloat16, key
+        assert torch.equal(after, value), key
+
+
 def test_kept_stacked_weights_follow_every_change_of_a_head():
     """Inference calls keep the heads' stacked weights between calls; an in-place update of any head's
     parameter, or a replaced parameter, is in the next call."""

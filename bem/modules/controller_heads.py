@@ -138,6 +138,10 @@ class RoutingLevels(Mapping):
         self._controller_ref = [controller]  # a list: no module registered, no cycle through it
         self._inputs = (z, p, chunk_ctx)
         self._gate, self._codes = gate, codes
+        # the call's autocast, to recompute under: read later (routing_stats() after an evaluation under
+        # autocast, say) low-precision inputs would meet the heads' float32 weights outside of it
+        device_type = z.device.type
+        self._autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.KEYS)
@@ -156,7 +160,8 @@ class RoutingLevels(Mapping):
         z, p, chunk_ctx = self._inputs
         B, T, _ = z.shape
         M, r = controller.num_modules, controller.rank
-        with torch.no_grad():
+        device_type, enabled, dtype = self._autocast
+        with torch.no_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
             if key == "prefix":
                 return controller.prefix_head(p).view(B, T, M, r)
             if key == "chunk":

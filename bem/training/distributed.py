@@ -25,6 +25,7 @@ USE_FSDP = "ACCELERATE_USE_FSDP"  # set by `accelerate launch --use_fsdp` (and b
 def make_accelerator(training: TrainingSection):
     """An `Accelerator` set up for `training.distributed`; FSDP is on when more than one process runs."""
     from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
 
     launcher_fsdp = os.environ.get(USE_FSDP)
     if (launcher_fsdp or "").lower() == "true" and training.distributed != "fsdp":
@@ -34,9 +35,11 @@ def make_accelerator(training: TrainingSection):
     plugin = fsdp_plugin(training) if training.distributed == "fsdp" else None
     if plugin is None:
         unshard_on_cpu()  # an earlier FSDP run on CPU in this process left accelerate's process state at FSDP
-    # rng_types=[]: the data order comes from EpochSampler alone; accelerate must not reseed anything
+    # rng_types=[]: the data order comes from EpochSampler alone; accelerate must not reseed anything.
+    # non_blocking: a batch's copy to the GPU (from pinned memory, the trainer's loader) does not wait for the
+    # steps queued before it, as a blocking copy would at every micro-batch
     accelerator = Accelerator(mixed_precision=training.mixed_precision, cpu=training.cpu, rng_types=[],
-                              fsdp_plugin=plugin)
+                              fsdp_plugin=plugin, dataloader_config=DataLoaderConfiguration(non_blocking=True))
     if plugin is not None and launcher_fsdp is None:
         # accelerate records the plugin in the environment; the next run in this process chooses for itself
         os.environ.pop(USE_FSDP, None)

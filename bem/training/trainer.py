@@ -126,7 +126,8 @@ class Trainer:
         optimizer = build_optimizer(params, training, apart=self.whole_params, device=self.accelerator.device)
         self.sampler = EpochSampler(len(self.train_examples), training.seed)
         loader = torch.utils.data.DataLoader(self.train_examples, batch_size=training.batch_size, sampler=self.sampler,
-                                             drop_last=True, collate_fn=Collator(self.tokenizer.pad_token_id))
+                                             drop_last=True, collate_fn=Collator(self.tokenizer.pad_token_id),
+                                             pin_memory=self.accelerator.device.type == "cuda")
         self.model, self.optimizer, self.loader = self.accelerator.prepare(model, optimizer, loader)
         accumulation = training.gradient_accumulation_steps
         self.micro_per_epoch = len(self.loader) // accumulation * accumulation
