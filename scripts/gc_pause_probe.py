@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's bem, installed or not
 
 def main() -> int:
     args = sys.argv[1:]
