@@ -4,7 +4,7 @@
 # Usage: bash scripts/gpu_validate.sh [probe] [errors] [kernel-tests] [gpu-tests] [gpu-tests-isolated]
 #        [mixer-tests] [mixer-errors]
 #        [fftconv-bench] [mlstm-bench] [mlstm-tests] [training-tests] [sweep] [profile] [train] [train-sweep] [breakdown]
-#        [prefill-breakdown] [controller-profile] [host-cost] [host-cost-ranks] [gemm-tests] [inference-tests] [eager-sweep]
+#        [prefill-breakdown] [compiled-breakdown] [controller-profile] [host-cost] [host-cost-ranks] [gemm-tests] [inference-tests] [eager-sweep]
 #        [bench] [bench-shapes] [mode-sweep] [conv1d-sweep] [backward-sweep] [sass] [ncu] [cpu-tests]   (bench-shapes reads
 #        BENCH_SHAPES, e.g. 1x4096x4096x8,...; the sweeps read SWEEP_SHAPES the same way, or sweep their
 #        default shapes; prefill-breakdown reads BREAKDOWN_MODEL: llama-1b or gpt2; sweep reads SWEEP_CONFIGS,
@@ -113,6 +113,10 @@ for what in "$@"; do
     controller-profile) step controller_profile ${CONTROLLER_LIMIT:-240} python3 scripts/controller_profile.py \
         ${CONTROLLER_CONFIGS:+--configs $CONTROLLER_CONFIGS} ${CONTROLLER_BEFORE:+--before "$CONTROLLER_BEFORE"} \
         --json "$OUT/controller_profile.json" ;;
+    # a compiled decoding step's device time by kernel kind, base against BEM (BREAKDOWN_CONFIGS: profile names)
+    compiled-breakdown) step compiled_breakdown ${BREAKDOWN_LIMIT:-300} env PYTHONPATH=. python3 \
+        scripts/compiled_decode_breakdown.py $(for c in ${BREAKDOWN_CONFIGS:-smollm_135m}; do echo --config \
+        "configs/profile_$c.yaml"; done) --batch "${BREAKDOWN_BATCH:-1,16}" --json "$OUT/compiled_breakdown.json" ;;
     prefill-breakdown) step prefill_breakdown 300 env PYTHONPATH=. python3 scripts/prefill_breakdown.py \
         ${BREAKDOWN_MODEL:+--model "$BREAKDOWN_MODEL"} ;;
     cpu-tests) step cpu_tests 300 python3 -m pytest -q -x -p no:cacheprovider tests --ignore=tests/gpu ;;

@@ -96,6 +96,21 @@ def test_stop_rule_reasons():
         StopRule(5, 4, 0.01, 1.0)
 
 
+def test_a_timed_call_runs_with_the_garbage_collector_paused():
+    import gc
+
+    clock = Clock(torch.device("cpu"))
+    seen = []
+    clock.time_ms(lambda: seen.append(gc.isenabled()))
+    assert seen == [False] and gc.isenabled()
+    gc.disable()  # a caller that paused it keeps it paused
+    try:
+        clock.time_ms(lambda: None)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 class FakeClock(Clock):
     """Each workload returns its own duration in ms; the 'time' advances by it."""
 

@@ -79,6 +79,26 @@ def test_token_counts_are_exact_wherever_they_are_read(tmp_path):
         assert state["tokens_seen"] == every_step[step][0], step
 
 
+def test_the_loop_runs_with_the_setup_frozen_out_of_the_collectors_walks(tmp_path, monkeypatch):
+    """Objects alive when training starts are frozen (a full collection then skips them) for the loop only."""
+    import gc
+
+    from bem.training.trainer import Trainer
+
+    frozen_during_steps = []
+    step = Trainer._optimizer_step
+
+    def recording_step(self, micro_batches):
+        frozen_during_steps.append(gc.get_freeze_count())
+        return step(self, micro_batches)
+
+    monkeypatch.setattr(Trainer, "_optimizer_step", recording_step)
+    before = gc.get_freeze_count()
+    assert train_main(tiny_args(tmp_path / "run", "training.max_steps=3", "data.eval=null")) == 0
+    assert len(frozen_during_steps) == 3 and min(frozen_during_steps) > before + 1000
+    assert gc.get_freeze_count() == before
+
+
 def test_adapter_reloads_onto_the_saved_base(trained_run):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM

@@ -8,6 +8,7 @@ split over processes or accumulation steps (the two-process run matches the one-
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import shutil
 import time
@@ -59,6 +60,20 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed next-token cross-entropy (fp32) over the positions whose label is not ignored."""
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                            ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+@contextlib.contextmanager
+def frozen_collector() -> Iterator[None]:
+    """Python's cyclic garbage collector with everything alive on entry (the libraries, the model, the optimizer)
+    moved out of its reach until the exit. Its full collections walk every object: 185-260 ms in a 1B model's
+    training process on a GPU, about one per 20 s of training, during which every process of the run waits
+    for the stalled one; with the setup frozen, 16-25 ms."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 ADAPTER_SEED_OFFSET = 1  # the adapter's initial weights: seed training.seed + 1 (the base's draws use training.seed)
@@ -253,6 +268,10 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def train(self, stop_at_step: Optional[int] = None) -> TrainResult:
         """Train to the configured end; `stop_at_step` ends early without the final save (an interruption)."""
+        with frozen_collector():
+            return self._train(stop_at_step)
+
+    def _train(self, stop_at_step: Optional[int]) -> TrainResult:
         config, training = self.config, self.config.training
         accelerator = self.accelerator
         state = self._state(0, 0)
