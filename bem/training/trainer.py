@@ -65,9 +65,9 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 @contextlib.contextmanager
 def frozen_collector() -> Iterator[None]:
     """Python's cyclic garbage collector with everything alive on entry (the libraries, the model, the optimizer)
-    moved out of its reach until the exit. Its full collections walk every object: 185-260 ms in a 1B model's
+    moved out of its reach until the exit. Its full collections walk every object: 181-260 ms in a 1B model's
     training process on a GPU, about one per 20 s of training, during which every process of the run waits
-    for the stalled one; with the setup frozen, 16-25 ms."""
+    for the stalled one; with the setup frozen, 9-17 ms."""
     gc.collect()
     gc.freeze()
     try:
