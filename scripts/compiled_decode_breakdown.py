@@ -97,21 +97,24 @@ def breakdown(config_path: str, batches: list[int], tokens: int, device: torch.d
             rows.append({"config": config.name, "batch": batch, "variant": name, "us_per_step": per_step,
                          "kernels_per_step": launches, "busy_us_per_step": sum(per_step.values()),
                          "top_kernels_us": top})
+            print_rows(rows[-1:], header=len(rows) == 1)  # as it comes: compiling takes most of a run's time
     return rows
 
 
-def print_rows(rows: list[dict[str, Any]]) -> None:
+def print_rows(rows: list[dict[str, Any]], header: bool = True, top: bool = True) -> None:
     kinds = [k for k, _ in KINDS] + ["other"]
-    print(f"{'config':<14}{'b':>3} {'variant':<6}{'busy µs/step':>13}  " + "  ".join(f"{k:>18}" for k in kinds))
+    if header:
+        print(f"{'config':<14}{'b':>3} {'variant':<6}{'busy µs/step':>13}  " + "  ".join(f"{k:>18}" for k in kinds))
     for row in rows:
         cells = [f"{row['us_per_step'].get(k, 0.0):9.1f} ({row['kernels_per_step'].get(k, 0.0):4.0f})" for k in kinds]
         print(f"{row['config']:<14}{row['batch']:>3} {row['variant']:<6}{row['busy_us_per_step']:>13.1f}  "
               + "  ".join(f"{c:>18}" for c in cells))
-    print("µs of device time per decoding step (kernels per step); the prompt's prefill subtracted")
-    for row in rows:
+    if header:
+        print("µs of device time per decoding step (kernels per step); the prompt's prefill subtracted")
+    for row in rows if top else []:
         print(f"\n{row['config']} b{row['batch']} {row['variant']}: busiest kernels, µs per step")
         for name, micros in row["top_kernels_us"]:
-            print(f"  {micros:8.1f}  {name}")
+            print(f"  {micros:8.1f}  {name}", flush=True)
 
 
 def main() -> None:
@@ -128,7 +131,8 @@ def main() -> None:
         rows += breakdown(config, [int(b) for b in args.batch.split(",")], args.tokens, device)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    print_rows(rows)
+    print("\nall rows:")
+    print_rows(rows, top=False)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

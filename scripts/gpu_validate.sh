@@ -43,8 +43,10 @@ for what in "$@"; do
     gpu-tests) step gpu_tests 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu \
         --ignore=tests/gpu/test_kernel_errors.py ;;
     # each GPU test file in a process of its own: a crash in one cannot fail the files after it
+    # ISOLATED_FILES: only these (space-separated names, e.g. "test_mlstm test_wrapped_model")
     gpu-tests-isolated) for file in tests/gpu/test_*.py; do
         case $file in *kernel_errors*) continue ;; esac
+        [ -z "${ISOLATED_FILES:-}" ] || [[ " $ISOLATED_FILES " == *" $(basename "$file" .py) "* ]] || continue
         step "isolated_$(basename "$file" .py)" 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short "$file"
       done ;;
     kernel-tests) step kernel_tests 200 python3 -m pytest -m gpu -q --maxfail=10 -p no:cacheprovider \
