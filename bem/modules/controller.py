@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from .codes_buffer import codes_buffer
 from .controller_heads import RoutingLevels, StackedWeights, heads_and_gate
 
 # Gate bias at init: sigmoid(4) ≈ 0.982, so the gate starts close to one (DESIGN §2).
@@ -169,6 +170,8 @@ class HierarchicalController(nn.Module):
                 g = gate.unsqueeze(-1)
                 codes = torch.addcmul(g * self.static_codes, dynamic, g * scale)
             out = codes.permute(2, 0, 1, 3).to(out_dtype).contiguous()
+            if not torch.is_grad_enabled():  # compiled inference: computed once, not once per module
+                out = codes_buffer(out)
         else:
             # no autograd: scale dynamic in place and write the codes straight into their (M, B, T, r) layout
             # and dtype, two full-size passes instead of five
