@@ -5,7 +5,7 @@
 #        [mixer-tests] [mixer-errors]
 #        [fftconv-bench] [mlstm-bench] [mlstm-tests] [training-tests] [sweep] [profile] [train] [train-sweep] [breakdown]
 #        [prefill-breakdown] [compiled-breakdown] [controller-profile] [host-cost] [host-cost-ranks] [gemm-tests] [inference-tests] [eager-sweep]
-#        [bench] [bench-shapes] [mode-sweep] [conv1d-sweep] [backward-sweep] [sass] [ncu] [cpu-tests]   (bench-shapes reads
+#        [bench] [bench-shapes] [mode-sweep] [conv1d-sweep] [decode-split-sweep] [backward-sweep] [sass] [ncu] [cpu-tests]   (bench-shapes reads
 #        BENCH_SHAPES, e.g. 1x4096x4096x8,...; the sweeps read SWEEP_SHAPES the same way, or sweep their
 #        default shapes; prefill-breakdown reads BREAKDOWN_MODEL: llama-1b or gpt2; sweep reads SWEEP_CONFIGS,
 #        comma-separated profile names, default all; train-sweep reads TRAIN_CONFIGS, space-separated)
@@ -54,6 +54,8 @@ for what in "$@"; do
         tests/gpu/test_kernel_compile_graphs.py ;;
     mode-sweep) step mode_sweep 420 env PYTHONPATH=. python3 scripts/linear_mode_sweep.py ${SWEEP_SHAPES:+--shapes "$SWEEP_SHAPES"} ;;
     conv1d-sweep) step conv1d_sweep 420 env PYTHONPATH=. python3 scripts/linear_mode_sweep.py --conv1d \
+        ${SWEEP_SHAPES:+--shapes "$SWEEP_SHAPES"} ;;
+    decode-split-sweep) step decode_split_sweep 300 env PYTHONPATH=. python3 scripts/decode_split_sweep.py \
         ${SWEEP_SHAPES:+--shapes "$SWEEP_SHAPES"} ;;
     backward-sweep) step backward_sweep 420 env PYTHONPATH=. python3 scripts/backward_sweep.py ${SWEEP_SHAPES:+--shapes "$SWEEP_SHAPES"} ;;
     bench-shapes) step bench_shapes 400 python3 -m bem.kernels.bench --shapes "$BENCH_SHAPES" --json "$OUT/bench.json" ;;

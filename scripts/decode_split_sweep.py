@@ -1,0 +1,81 @@
+"""The BEM linear at decode sizes on small matrices: the streaming decode kernel at every split of K (cluster
+size), the tiles kernel and the default dispatch, against `F.linear`; CUDA-graph GPU time per call, interleaved.
+
+    PYTHONPATH=. python scripts/decode_split_sweep.py [--shapes 1x576x576x8,...]
+
+The default shapes are SmolLM-135M's and Llama-1B's at 1 and 16 tokens. The default dispatch splits K over
+the largest cluster that keeps at least 256 columns of K a block (`decode_stream_split`): at K = 576 that is 2,
+so a 576 x 576 matrix runs on 10 blocks of 128 rows. The question this answers: would more, shorter blocks
+(or the tiles kernel) do better where the matrix is small?
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from bem.kernels import bench, custom_ops, ops
+
+SCALING = 0.5
+STREAM, TILES = 1, 5  # linear modes: the streaming decode kernel, the tiles decode kernel
+
+
+def default_shapes() -> list[tuple[int, int, int, int]]:
+    smollm = [(576, 576), (576, 192), (576, 1536), (1536, 576)]
+    llama = [(2048, 2048), (2048, 512), (2048, 8192), (8192, 2048)]
+    return [(M, K, N, 8) for M in (1, 16) for K, N in smollm + llama]
+
+
+def sweep_row(M: int, K: int, N: int, r: int, l2_bytes: int) -> dict[str, float]:
+    sets = bench._sets(M, K, N, r, l2_bytes)
+
+    def pick(i: int) -> dict:
+        return sets[i % len(sets)]
+
+    def linear(mode: int, split: int = 0):
+        return lambda i: custom_ops._C.linear_forward(
+            pick(i)["x"], pick(i)["W"], pick(i)["b"], pick(i)["V"].detach(), pick(i)["c"].detach(),
+            pick(i)["U"].detach(), SCALING, mode, split, False, None)
+
+    variants = {
+        "F.linear": lambda i: F.linear(pick(i)["x"], pick(i)["W"], pick(i)["b"]),
+        "default": lambda i: ops.bem_linear(pick(i)["x"], pick(i)["W"], pick(i)["b"], pick(i)["V"].detach(),
+                                            pick(i)["c"].detach(), pick(i)["U"].detach(), SCALING),
+        "tiles": linear(TILES),
+    }
+    for split in (1, 2, 4, 8):
+        variants[f"stream k/{split}"] = linear(STREAM, split)
+    usable = {}
+    for name, fn in variants.items():  # a split the kernel refuses at this shape is left out
+        try:
+            with torch.no_grad():
+                fn(0)
+            torch.cuda.synchronize()
+            usable[name] = fn
+        except (RuntimeError, ValueError) as err:
+            print(f"  {M}x{K}x{N}x{r} {name}: refused ({str(err).splitlines()[0][:80]})")
+    with torch.no_grad():
+        return bench._time_interleaved(usable, calls=max(len(sets), 16))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", help="comma-separated MxKxNxr")
+    args = parser.parse_args()
+    shapes = bench._parse_shapes(args.shapes) if args.shapes else default_shapes()
+    l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
+    bench.warm_up()
+    names = ["default", "tiles", "stream k/1", "stream k/2", "stream k/4", "stream k/8"]
+    print(f"{'M x K x N x r':<20}{'F.linear µs':>12}" + "".join(f"{n:>12}" for n in names))
+    for M, K, N, r in shapes:
+        times = sweep_row(M, K, N, r, l2_bytes)
+        base = times["F.linear"]
+        cells = [f"{times[n] / base:>11.2f}x" if n in times else f"{'-':>12}" for n in names]
+        print(f"{f'{M}x{K}x{N}x{r}':<20}{1e3 * base:>12.2f}" + "".join(cells), flush=True)
+    print("each column: its GPU time per call over F.linear's (CUDA-graph replays, inputs rotated past L2)")
+
+
+if __name__ == "__main__":
+    main()
