@@ -86,8 +86,8 @@ COMMON=(training.max_steps="$STEPS" training.batch_size=4 data.max_length=2048 d
         training.eval_every=0 training.save_every=0 training.log_every="$LOG_EVERY" logging.console=false)
 LAUNCH=(accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision bf16 --dynamo_backend no)
 # GC_PROBE=1: every run through scripts/gc_pause_probe.py (the garbage collector's pauses in the loop, under
-# $OUT/gc); a strategy named NAME_frozen in TRAIN_STRATEGIES runs NAME with the collector frozen before the loop
-entry() {  # entry RUN [--freeze]: what runs `bem train` for RUN
+# $OUT/gc); a strategy named NAME_unfrozen in TRAIN_STRATEGIES runs NAME without bem train's frozen setup
+entry() {  # entry RUN [--unfrozen]: what runs `bem train` for RUN
     if [ -n "${GC_PROBE:-}" ]; then echo scripts/gc_pause_probe.py --gc-out "$OUT/gc/$1" $2; else echo -m bem train; fi
 }
 # each run builds the same random 1B base from the config's seed, so the losses compare
@@ -96,9 +96,9 @@ if ! skipped train; then
     run train_one 100 env CUDA_VISIBLE_DEVICES=0 python3 $(entry one) "$CONFIG" "${COMMON[@]}" \
         training.gradient_accumulation_steps=2 training.output_dir="$OUT/one"
     for name in ${TRAIN_STRATEGIES:-ddp fsdp}; do
-        strategy=${name%_frozen} freeze=""
-        [ "$strategy" != "$name" ] && freeze=--freeze
-        run "train_$name" 100 env CUDA_VISIBLE_DEVICES=0,1 "${LAUNCH[@]}" $(entry "$name" $freeze) "$CONFIG" \
+        strategy=${name%_unfrozen} unfrozen=""
+        [ "$strategy" != "$name" ] && unfrozen=--unfrozen
+        run "train_$name" 100 env CUDA_VISIBLE_DEVICES=0,1 "${LAUNCH[@]}" $(entry "$name" $unfrozen) "$CONFIG" \
             "${COMMON[@]}" training.gradient_accumulation_steps=1 training.distributed="$strategy" \
             training.output_dir="$OUT/$name"
         RUNS+=("$name")
