@@ -66,6 +66,11 @@ def kernel_times(run, index: int, device: torch.device) -> tuple[dict[str, float
     return dict(by_kind), dict(count), dict(by_name)
 
 
+def per_decoding_step(full: dict[str, float], first: dict[str, float], steps: int) -> dict[str, float]:
+    """What the generate of `steps` more tokens adds over the 1-token one (its prefill), per step."""
+    return {k: (full.get(k, 0.0) - first.get(k, 0.0)) / steps for k in set(full) | set(first)}
+
+
 def breakdown(config_path: str, batches: list[int], tokens: int, device: torch.device) -> list[dict[str, Any]]:
     config = load_profile_config(config_path)
     base = load_base_model(config.model, device, config.seed)
@@ -84,15 +89,9 @@ def breakdown(config_path: str, batches: list[int], tokens: int, device: torch.d
             for index in range(3):  # compile, then settle
                 full(index)
                 first(index)
-            kinds_full, counts_full, names_full = kernel_times(full, 0, device)
-            kinds_first, counts_first, names_first = kernel_times(first, 0, device)
-            steps = tokens - 1
-            per_step = {k: (kinds_full.get(k, 0.0) - kinds_first.get(k, 0.0)) / steps
-                        for k in set(kinds_full) | set(kinds_first)}
-            launches = {k: (counts_full.get(k, 0) - counts_first.get(k, 0)) / steps
-                        for k in set(counts_full) | set(counts_first)}
-            names = {k: (names_full.get(k, 0.0) - names_first.get(k, 0.0)) / steps
-                     for k in set(names_full) | set(names_first)}
+            # each of (µs by kind, launches by kind, µs by name), per decoding step
+            per_step, launches, names = (per_decoding_step(a, b, tokens - 1) for a, b in
+                                         zip(kernel_times(full, 0, device), kernel_times(first, 0, device)))
             top = sorted(names.items(), key=lambda item: -item[1])[:15]
             rows.append({"config": config.name, "batch": batch, "variant": name, "us_per_step": per_step,
                          "kernels_per_step": launches, "busy_us_per_step": sum(per_step.values()),

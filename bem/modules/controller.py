@@ -18,8 +18,8 @@ makes cached generation give the same codes as a full forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
 from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
@@ -208,7 +208,6 @@ class HierarchicalController(nn.Module):
         self.check_side(side_signals, B)
         outputs = None
         if self.graphs.forward_eligible(hidden):
-            self.stacked.refresh(self)  # a replay reads the kept stacked weights: bring them up to date first
             outputs = self.graphs.run_forward(hidden, attention_mask, side_signals, out_dtype, return_state)
         if outputs is None:
             outputs = self.forward_math(hidden, attention_mask, side_signals, out_dtype, return_state)
@@ -319,7 +318,6 @@ class HierarchicalController(nn.Module):
         mask = self._mask(attention_mask, B, T, self.input_proj.weight.dtype, hidden.device)
         tensors = (state.count, state.prefix_sum, state.chunk_ema, state.open_sum, state.side)
         if self.graphs.step_eligible(hidden):
-            self.stacked.refresh(self)  # a replay reads the kept stacked weights: bring them up to date first
             codes, levels, *advanced = self.graphs.run_step(hidden, mask, tensors, out_dtype)
         else:
             codes, levels, *advanced = self.step_math(hidden, mask, *tensors, out_dtype=out_dtype)

@@ -125,6 +125,7 @@ class ControllerGraphs:
     def run_step(self, hidden: torch.Tensor, mask: torch.Tensor, state: tuple, out_dtype: torch.dtype):
         _release_deferred()
         controller = self._controller_ref[0]
+        controller.stacked.refresh(controller)  # a replay reads the kept stacked weights: up to date first
         inputs = (hidden, mask, *state)
         key = (_signature(inputs), out_dtype, self._parameters_key())
         captured = self._steps.get(key)
@@ -151,6 +152,7 @@ class ControllerGraphs:
         (yet): the caller then runs it eagerly."""
         _release_deferred()
         controller = self._controller_ref[0]
+        controller.stacked.refresh(controller)  # a replay reads the kept stacked weights: up to date first
         inputs = (hidden, mask, side_signals)
         key = (_signature(inputs), out_dtype, return_state, self._parameters_key())
         captured = self._forwards.get(key)
