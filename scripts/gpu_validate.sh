@@ -4,7 +4,7 @@
 # Usage: bash scripts/gpu_validate.sh [probe] [errors] [kernel-tests] [gpu-tests] [gpu-tests-isolated]
 #        [mixer-tests] [mixer-errors]
 #        [fftconv-bench] [mlstm-bench] [mlstm-tests] [training-tests] [sweep] [profile] [train] [train-sweep] [breakdown]
-#        [prefill-breakdown] [compiled-breakdown] [controller-profile] [host-cost] [host-cost-ranks] [gemm-tests] [inference-tests] [eager-sweep]
+#        [prefill-breakdown] [compiled-breakdown] [controller-profile] [host-cost] [host-cost-ranks] [gemm-tests] [decode-tests] [inference-tests] [eager-sweep]
 #        [bench] [bench-shapes] [mode-sweep] [conv1d-sweep] [decode-split-sweep] [backward-sweep] [sass] [ncu] [cpu-tests]   (bench-shapes reads
 #        BENCH_SHAPES, e.g. 1x4096x4096x8,...; the sweeps read SWEEP_SHAPES the same way, or sweep their
 #        default shapes; prefill-breakdown reads BREAKDOWN_MODEL: llama-1b or gpt2; sweep reads SWEEP_CONFIGS,
@@ -108,6 +108,9 @@ for what in "$@"; do
       done ;;
     gemm-tests) step gemm_tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
         tests/gpu/test_fused_gemm.py tests/gpu/test_kernel_forward.py ;;
+    # the decoding kernels' tests alone (after a change to their dispatch)
+    decode-tests) step decode_tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
+        tests/gpu/test_kernel_forward.py -k decode tests/gpu/test_decode_fast_paths.py ;;
     # the inference paths of a wrapped layer and model, each file in a process of its own
     inference-tests) for file in test_decode_fast_paths test_wrapped_model test_decoding_paths; do
         step "inference_$file" ${INFERENCE_TESTS_LIMIT:-200} python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
