@@ -1,12 +1,15 @@
 """The BEM linear at decode sizes on small matrices: the streaming decode kernel at every split of K (cluster
 size), the tiles kernel and the default dispatch, against `F.linear`; CUDA-graph GPU time per call, interleaved.
 
-    PYTHONPATH=. python scripts/decode_split_sweep.py [--shapes 1x576x576x8,...]
+    PYTHONPATH=. python scripts/decode_split_sweep.py [--shapes 1x576x576x8,...] [--conv1d]
 
 The default shapes are SmolLM-135M's and Llama-1B's at 1 and 16 tokens. The default dispatch splits K over
 the largest cluster that keeps at least 256 columns of K a block (`decode_stream_split`): at K = 576 that is 2,
 so a 576 x 576 matrix runs on 10 blocks of 128 rows. The question this answers: would more, shorter blocks
 (or the tiles kernel) do better where the matrix is small?
+
+With --conv1d the weights are stored (K, N) as GPT-2's Conv1D holds them (default shapes: GPT-2's), and the
+`k/s` columns are the transposed-weight kernel at each cluster size.
 """
 
 from __future__ import annotations
@@ -28,8 +31,15 @@ def default_shapes() -> list[tuple[int, int, int, int]]:
     return [(M, K, N, 8) for M in (1, 16) for K, N in smollm + llama]
 
 
-def sweep_row(M: int, K: int, N: int, r: int, l2_bytes: int) -> dict[str, float]:
+def conv1d_shapes() -> list[tuple[int, int, int, int]]:
+    gpt2 = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]
+    return [(M, K, N, 8) for M in (1, 4, 8) for K, N in gpt2]
+
+
+def sweep_row(M: int, K: int, N: int, r: int, l2_bytes: int, conv1d: bool) -> dict[str, float]:
     sets = bench._sets(M, K, N, r, l2_bytes)
+    if conv1d:  # the (N, K) view of a row-major (K, N) weight
+        sets = [dict(s, W=s["W"].t().contiguous().t()) for s in sets]
 
     def pick(i: int) -> dict:
         return sets[i % len(sets)]
@@ -63,14 +73,16 @@ def sweep_row(M: int, K: int, N: int, r: int, l2_bytes: int) -> dict[str, float]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", help="comma-separated MxKxNxr")
+    parser.add_argument("--conv1d", action="store_true", help="weights stored (K, N), as GPT-2's Conv1D")
     args = parser.parse_args()
-    shapes = bench._parse_shapes(args.shapes) if args.shapes else default_shapes()
+    shapes = bench._parse_shapes(args.shapes) if args.shapes else (conv1d_shapes() if args.conv1d
+                                                                      else default_shapes())
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
     bench.warm_up()
     names = ["default", "tiles", "stream k/1", "stream k/2", "stream k/4", "stream k/8"]
     print(f"{'M x K x N x r':<20}{'F.linear µs':>12}" + "".join(f"{n:>12}" for n in names))
     for M, K, N, r in shapes:
-        times = sweep_row(M, K, N, r, l2_bytes)
+        times = sweep_row(M, K, N, r, l2_bytes, args.conv1d)
         base = times["F.linear"]
         cells = [f"{times[n] / base:>11.2f}x" if n in times else f"{'-':>12}" for n in names]
         print(f"{f'{M}x{K}x{N}x{r}':<20}{1e3 * base:>12.2f}" + "".join(cells), flush=True)

@@ -4,8 +4,8 @@
 # Usage: bash scripts/gpu_validate.sh [probe] [errors] [kernel-tests] [gpu-tests] [gpu-tests-isolated]
 #        [mixer-tests] [mixer-errors]
 #        [fftconv-bench] [mlstm-bench] [mlstm-tests] [training-tests] [sweep] [profile] [train] [train-sweep] [breakdown]
-#        [prefill-breakdown] [compiled-breakdown] [controller-profile] [host-cost] [host-cost-ranks] [gemm-tests] [decode-tests] [inference-tests] [eager-sweep]
-#        [bench] [bench-shapes] [mode-sweep] [conv1d-sweep] [decode-split-sweep] [backward-sweep] [sass] [ncu] [cpu-tests]   (bench-shapes reads
+#        [prefill-breakdown] [compiled-breakdown] [controller-profile] [host-cost] [host-cost-ranks] [gemm-tests] [decode-tests] [train-repeat-probe] [inference-tests] [eager-sweep]
+#        [bench] [bench-shapes] [mode-sweep] [conv1d-sweep] [decode-split-sweep] [conv1d-split-sweep] [backward-sweep] [sass] [ncu] [cpu-tests]   (bench-shapes reads
 #        BENCH_SHAPES, e.g. 1x4096x4096x8,...; the sweeps read SWEEP_SHAPES the same way, or sweep their
 #        default shapes; prefill-breakdown reads BREAKDOWN_MODEL: llama-1b or gpt2; sweep reads SWEEP_CONFIGS,
 #        comma-separated profile names, default all; train-sweep reads TRAIN_CONFIGS, space-separated)
@@ -57,6 +57,7 @@ for what in "$@"; do
         ${SWEEP_SHAPES:+--shapes "$SWEEP_SHAPES"} ;;
     decode-split-sweep) step decode_split_sweep 300 env PYTHONPATH=. python3 scripts/decode_split_sweep.py \
         ${SWEEP_SHAPES:+--shapes "$SWEEP_SHAPES"} ;;
+    conv1d-split-sweep) step conv1d_split_sweep 200 env PYTHONPATH=. python3 scripts/decode_split_sweep.py --conv1d ;;
     backward-sweep) step backward_sweep 420 env PYTHONPATH=. python3 scripts/backward_sweep.py ${SWEEP_SHAPES:+--shapes "$SWEEP_SHAPES"} ;;
     bench-shapes) step bench_shapes 400 python3 -m bem.kernels.bench --shapes "$BENCH_SHAPES" --json "$OUT/bench.json" ;;
     sass) step sass 120 bash scripts/sass_summary.sh ;;
@@ -108,6 +109,11 @@ for what in "$@"; do
       done ;;
     gemm-tests) step gemm_tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
         tests/gpu/test_fused_gemm.py tests/gpu/test_kernel_forward.py ;;
+    # the train step's repeats as the profiler times them, three ways (TRAIN_PROBE_CONFIG: a profile name)
+    train-repeat-probe) for how in "" "--no-pause" "--collect"; do
+        step "train_probe${how:+_${how#--}}" 120 env PYTHONPATH=. python3 scripts/train_repeat_probe.py \
+          --config "configs/profile_${TRAIN_PROBE_CONFIG:-llama_1b}.yaml" --repeats ${TRAIN_PROBE_REPEATS:-16} $how
+      done ;;
     # the decoding kernels' tests alone (after a change to their dispatch)
     decode-tests) step decode_tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
         tests/gpu/test_kernel_forward.py -k decode tests/gpu/test_decode_fast_paths.py ;;

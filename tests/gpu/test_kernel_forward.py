@@ -115,6 +115,52 @@ hopper = pytest.mark.skipif(
 
 
 @hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("split_k", [0, 1, 2, 8])
+@pytest.mark.parametrize("M,K,N", [(1, 768, 2304), (2, 3072, 768), (3, 7, 8), (5, 1000, 136), (8, 257, 4096),
+                                   (1, 50000, 64)])
+@pytest.mark.parametrize("r", [1, 8, 13, 33, 64])
+def test_transposed_decode_kernel_matches_float64(dtype, split_k, M, K, N, r):
+    """Mode 1 with a weight stored (K, N) (GPT-2's Conv1D, passed as its (N, K) view) at up to 8 tokens:
+    the CUDA-core kernel for that layout (cluster split-K) at every cluster size, odd K and ranks, with
+    and without bias and codes; two calls give identical bits (fixed-order sums); the profile names it."""
+    seed = stable_seed(M, K, N, r, split_k, str(dtype), "columns")
+    x, W, b, V, c, U = operands(M, K, N, r, dtype, codes=r != 13, seed=seed)
+    W = conv1d_layout(W)
+    bias = None if r == 33 else b
+    ref = linear_ref64(x, W, bias, V, c, U, 1.25)
+    torch_err = rel_err(reference.bem_linear(x, W, bias, V, c, U, 1.25), ref)
+    poison_allocator(x.device, M * N)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        first, P1 = custom_ops._C.linear_forward(x, W, bias, V, c, U, 1.25, 1, split_k)
+        torch.cuda.synchronize()
+    assert any("decode_columns_kernel" in event.name for event in prof.events())
+    second, P2 = custom_ops._C.linear_forward(x, W, bias, V, c, U, 1.25, 1, split_k)
+    err = rel_err(first, ref)
+    assert err <= bound(torch_err, dtype), f"kernel {err:.3g} vs torch {torch_err:.3g}"
+    assert torch.equal(first, second) and torch.equal(P1, P2)
+    assert rel_err(P1, x.double() @ V.double()) < 1e-2
+    y_inference, _ = custom_ops._C.linear_forward(x, W, bias, V, c, U, 1.25, 1, split_k, False)
+    assert torch.equal(y_inference, first)
+
+
+@hopper
+@pytest.mark.parametrize("M,N", [(9, 2304), (1, 130)])
+def test_transposed_decode_beyond_the_column_kernel_takes_the_tiles_kernel(M, N):
+    """Nine tokens, or N not a multiple of 8: the tiles kernel takes the transposed weight, still exact."""
+    x, W, b, V, c, U = operands(M, 768, N, 8, torch.bfloat16, codes=True, seed=stable_seed(M, N, "tiles"))
+    W = conv1d_layout(W)
+    ref = linear_ref64(x, W, b, V, c, U, 1.25)
+    torch_err = rel_err(reference.bem_linear(x, W, b, V, c, U, 1.25), ref)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        y, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.25, 1)
+        torch.cuda.synchronize()
+    names = [event.name for event in prof.events()]
+    assert not any("decode_columns_kernel" in name for name in names) and any("decode_linear_kernel" in n for n in names)
+    assert rel_err(y, ref) <= bound(torch_err, torch.bfloat16)
+
+
+@hopper
 @pytest.mark.parametrize("M,K,N,r,projects", [(1, 4096, 4096, 32, True), (16, 14336, 1000, 8, True),
                                               (16, 4096, 1000, 64, True), (1, 4096, 4096, 8, False)])
 def test_decode_stream_reads_each_calls_own_projection(M, K, N, r, projects):

@@ -291,6 +291,16 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
       C10_CUDA_CHECK(launch_decode_stream(dtype_of(x), args, stream_now()));
       return {Y, P};
     }
+    // A transposed weight (GPT-2's Conv1D) at a few tokens: the CUDA-core streaming kernel (H100, against
+    // the tiles kernel's 2.3x F.linear at 768-wide matrices).
+    if (mode == kDecode && decode_columns_fits(args, cc_major(x.get_device()))) {
+      args.split_k = split_k > 0 ? (int)split_k : decode_columns_split((int)M, (int)N, (int)K, (int)r, x.get_device());
+      BEM_CHECK(args.split_k <= kDecodeStreamMaxCluster && (args.split_k & (args.split_k - 1)) == 0,
+                "the transposed-weight decode kernel splits K over 1, 2, 4 or 8 blocks, got split_k = ", split_k);
+      args.k_per_split = ((int)K + args.split_k - 1) / args.split_k;
+      C10_CUDA_CHECK(launch_decode_columns(dtype_of(x), args, stream_now()));
+      return {Y, P};
+    }
     const int split = decode_split_k((int)M, (int)N, (int)K, (int)r, args.w_transposed, num_sms(x.get_device()),
                                      (int)split_k);
     Tensor ws = split > 1 ? at::empty({split * M * (N + (need_p ? r : 0))}, x.options().dtype(at::kFloat)) : Tensor();

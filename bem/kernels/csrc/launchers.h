@@ -121,6 +121,15 @@ int decode_stream_split(int N, int K, int device);
 bool decode_stream_projects_first(const DecodeArgs& args);  // after split_k and k_per_split are set
 cudaError_t launch_decode_stream(DType dtype, const DecodeArgs& args, cudaStream_t stream);
 
+// The decode kernel for a weight stored transposed (W^T row-major, K x N: GPT-2's Conv1D) on CUDA cores
+// (sm_90, M <= kDecodeColumnsMaxTokens, r <= kDecodeColumnsMaxRank, N % 8 == 0, W 16-byte aligned), one
+// launch: split_k is its thread-block cluster size (1, 2, 4 or 8), k_per_split any length that covers K.
+constexpr int kDecodeColumnsMaxTokens = 8;
+constexpr int kDecodeColumnsMaxRank = 64;
+bool decode_columns_fits(const DecodeArgs& args, int cc_major);
+int decode_columns_split(int M, int N, int K, int r, int device);
+cudaError_t launch_decode_columns(DType dtype, const DecodeArgs& args, cudaStream_t stream);
+
 // The backward's low-rank pieces at decode sizes (M <= kDecodeMaxTokens, fp16/bf16), in two launches
 // (the second after the first): dU = s dY^T (P ⊙ c) (N x r), dV = s X^T (G ⊙ c) (K x r),
 // dcodes = s G ⊙ P (M x r) and C = s (G ⊙ c) V^T (M x K, the update's share of dX), with G = dY U summed
