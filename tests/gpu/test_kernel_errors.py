@@ -106,6 +106,10 @@ def test_kernel_choice_arguments_are_checked():
     if torch.cuda.get_device_capability()[0] >= 9:  # the streaming decode kernel runs on Hopper
         with pytest.raises(ValueError, match="1, 2, 4 or 8 blocks, got split_k = 3"):
             custom_ops._C.linear_forward(x, W, None, V, None, U, 1.0, 1, 3)
+        few = x[:2].contiguous()  # the transposed-weight decode kernel: up to 4 tokens
+        with pytest.raises(ValueError, match="transposed-weight decode kernel splits K over 1, 2, 4 or 8 blocks, "
+                                             "got split_k = 3"):
+            custom_ops._C.linear_forward(few, W.t().contiguous().t(), None, V, None, U, 1.0, 1, 3)
 
 
 @pytest.mark.skipif(not ops.KERNELS_AVAILABLE or not custom_ops._C.fused_gemm_available(),

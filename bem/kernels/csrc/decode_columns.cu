@@ -1,5 +1,5 @@
 // The BEM linear at decode sizes for a weight stored transposed, K x N row-major (GPT-2's Conv1D), on
-// CUDA cores (sm_90, M <= kDecodeColumnsMaxTokens):
+// CUDA cores (sm_90, M <= kDecodeColumnsMaxTokens = 4):
 //
 //     Y = X W^T + b + s * ((X V) ⊙ codes) U^T
 //
@@ -180,10 +180,8 @@ cudaError_t launch_rank(const DecodeArgs& a, cudaStream_t stream) {
 
 template <typename T>
 cudaError_t launch_tokens(const DecodeArgs& a, cudaStream_t stream) {
-  return a.M <= 1 ? launch_rank<T, 1>(a, stream)
-         : a.M <= 2 ? launch_rank<T, 2>(a, stream)
-         : a.M <= 4 ? launch_rank<T, 4>(a, stream)
-                    : launch_rank<T, 8>(a, stream);
+  static_assert(kDecodeColumnsMaxTokens == 4, "forms for 1, 2 and 4 tokens");
+  return a.M <= 1 ? launch_rank<T, 1>(a, stream) : a.M <= 2 ? launch_rank<T, 2>(a, stream) : launch_rank<T, 4>(a, stream);
 }
 
 // The bf16 form of the kernel that takes M tokens at rank r (the fp16 form's resources are the same).
@@ -196,8 +194,7 @@ const void* kernel_for_rank(int r) {
 }
 
 const void* kernel_for(int M, int r) {
-  return M <= 1 ? kernel_for_rank<1>(r) : M <= 2 ? kernel_for_rank<2>(r) : M <= 4 ? kernel_for_rank<4>(r)
-                                                                          : kernel_for_rank<8>(r);
+  return M <= 1 ? kernel_for_rank<1>(r) : M <= 2 ? kernel_for_rank<2>(r) : kernel_for_rank<4>(r);
 }
 
 // How many clusters of `cs` blocks the device runs at once for the form that takes M tokens at rank r
