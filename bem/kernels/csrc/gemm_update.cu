@@ -352,7 +352,16 @@ long long gemm_update_tiles(int M, int N, int tile_n) {
 }
 
 int gemm_update_tile_n(int M, int N, int num_sms) {
-  return 2 * gemm_update_tiles(M, N, 256) >= num_sms ? 256 : 128;
+  const long long wide = gemm_update_tiles(M, N, 256), narrow = gemm_update_tiles(M, N, 128);
+  if (2 * wide < num_sms) return 128;
+  // The persistent grid runs whole waves of tiles, and a 256-column tile takes about 1.7 times a 128-column
+  // one: take the width with fewer such units. Fitted on an H100 (scripts/linear_mode_sweep.py, r = 8, x
+  // F.linear, 256 / 128 columns): 192 tiles of 256 (1.45 waves) lost at 4096 x 1536² 1.31 / 1.22, 4096 x
+  // 8960 -> 1536 1.22 / 1.19, and GPT-2's 768² and 3072 -> 768 at 8192 rows 1.66 / 1.44 and 1.29 / 1.19;
+  // where the 256-column waves were nearly whole they won (1536 -> 8960, 4096 rows: 1.18 / 1.29; GPT-2's
+  // 768 -> 2304 and 768 -> 3072 at 8192 rows: 1.25 / 1.34 and 1.20 / 1.34).
+  const long long waves_wide = (wide + num_sms - 1) / num_sms, waves_narrow = (narrow + num_sms - 1) / num_sms;
+  return 10 * waves_narrow < 17 * waves_wide ? 128 : 256;
 }
 
 bool gemm_update_fits(const GemmUpdateArgs& a) {

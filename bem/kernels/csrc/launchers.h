@@ -177,7 +177,8 @@ struct GemmUpdateArgs {
 constexpr int kGemmUpdateMaxRank = 64;
 bool gemm_update_fits(const GemmUpdateArgs& args);
 long long gemm_update_tiles(int M, int N, int tile_n);  // the kernel's output tiles of 128 x tile_n
-// 256-column tiles where there are at least half as many as multiprocessors, else 128.
+// 128-column tiles where 256-column ones would number less than half the multiprocessors, or where they
+// fill the grid's waves better (a 256-column tile costing about 1.7 of them); else 256.
 int gemm_update_tile_n(int M, int N, int num_sms);
 cudaError_t gemm_update_supported(int device, cudaStream_t stream, bool* supported);
 cudaError_t launch_gemm_update(DType dtype, const GemmUpdateArgs& args, cudaStream_t stream);
