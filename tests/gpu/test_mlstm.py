@@ -117,6 +117,60 @@ def test_chunk_states_match_the_reference(dtype, S, DK, DV):
         assert rel_err(a, b) < tol, f"{name}: {rel_err(a, b):.2e}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_every_state_width_gives_the_same_bits(dtype):
+    """The state pass owns 16, 32 or 64 columns of DV a block (picked by the grid): each state element is
+    summed in the same order whatever the width, so forward and backward agree to the bit across widths.
+    DV 100 leaves a partial tile at every width; DK 72 a partial one of 64 rows."""
+    ext = custom_ops.extension()
+    B, NH, S, DK, DV = 2, 3, 150, 72, 100
+    seed = stable_seed("widths", dtype)
+    q, k, v, i, f = operands(B, NH, S, DK, DV, dtype, seed)
+    C0, n0, m0 = random_state(B, NH, DK, DV, seed)
+    dh = torch.randn(B, NH, S, DV, device="cuda", dtype=torch.float32).to(dtype)
+    dC, dn = torch.randn_like(C0), torch.randn_like(n0)
+    results = {}
+    for cols in (16, 32, 64):
+        poison_allocator(torch.device("cuda"), q.numel() * 8)
+        fwd = ext.mlstm_forward(q, k, v, i, f, C0, n0, m0, state_cols=cols)
+        h, _, _, _, m_tok, den_tok, C_states, n_states, m_states = fwd
+        beta = ext.mlstm_beta(dh, h, m_tok, den_tok)
+        bwd = ext.mlstm_backward(dh, q, k, v, i, f, m_tok, den_tok, beta, C_states, n_states, m_states, dC, dn,
+                                 state_cols=cols)
+        results[cols] = list(fwd) + [beta] + list(bwd)
+    for got in results.values():
+        assert all(torch.isfinite(t).all() for t in got)
+    for cols in (32, 64):
+        for index, (a, b) in enumerate(zip(results[cols], results[16])):
+            assert torch.equal(a, b), f"output {index} differs between state widths {cols} and 16"
+    with torch.no_grad():
+        h_ref, last_ref = ref64(q, k, v, i, f, (C0, n0, m0))
+        h_torch, _ = torch_formulation(q, k, v, i, f, (C0, n0, m0))
+    err, torch_err = rel_err(results[16][0], h_ref), rel_err(h_torch, h_ref)
+    assert err <= bound(torch_err, dtype), f"h: kernel {err:.2e}, PyTorch {torch_err:.2e}"
+
+
+@pytest.mark.parametrize("dtype,DV", [(torch.bfloat16, 64), (torch.float16, 100), (torch.float32, 37)])
+def test_beta_kernel_matches_float64(dtype, DV):
+    """beta = -(dh·h) / n · sign(den) where |den| > exp(-m), else 0: the kernel against float64, with both
+    sides of the threshold drawn (16-byte loads at DV 64 and 100 in 16-bit, scalar loads at DV 37)."""
+    ext = custom_ops.extension()
+    g = torch.Generator(device="cuda").manual_seed(stable_seed("beta", dtype, DV))
+    B, NH, S = 2, 3, 77
+    dh = torch.randn(B, NH, S, DV, device="cuda", generator=g).to(dtype)
+    h = torch.randn(B, NH, S, DV, device="cuda", generator=g).to(dtype)
+    m_tok = torch.randn(B, NH, S, device="cuda", generator=g) * 3
+    den_tok = torch.randn(B, NH, S, device="cuda", generator=g) * torch.exp(-m_tok) * 2
+    poison_allocator(torch.device("cuda"), dh.numel())
+    got = ext.mlstm_beta(dh, h, m_tok, den_tok)
+    den, m = den_tok.double(), m_tok.double()
+    n = torch.maximum(den.abs(), torch.exp(-m))
+    dot = (dh.double() * h.double()).sum(-1)
+    want = torch.where(den.abs() > torch.exp(-m), -dot / n * torch.sign(den), torch.zeros_like(dot))
+    assert ((den.abs() > torch.exp(-m)).float().mean() - 0.5).abs() < 0.4  # both branches drawn
+    assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-3)
+
+
 def _loss_weights(h, last, seed):
     g = torch.Generator(device="cuda").manual_seed(seed + 2)
     dh = torch.randn(h.shape, device="cuda", generator=g).to(h.dtype)
@@ -305,3 +359,10 @@ def test_bad_operands_refused_in_cpp():
         ext.mlstm_step(q, k, v, i, f, *state)
     with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
         ext.mlstm_forward(q.double(), k.double(), v.double(), i.double(), f.double())
+    with pytest.raises(ValueError, match="state_cols must be 0, 16, 32 or 64, got 48"):
+        ext.mlstm_forward(q, k, v, i, f, state_cols=48)
+    m_tok = torch.zeros(1, 2, 10, device="cuda")
+    with pytest.raises(ValueError, match="dh must be"):
+        ext.mlstm_beta(v[..., :-1].contiguous(), v, m_tok, m_tok)
+    with pytest.raises(ValueError, match="den_tok must be float32"):
+        ext.mlstm_beta(v, v, m_tok, m_tok.half())

@@ -21,23 +21,43 @@ template <typename T> struct TokenTerms {
   float inv_n[L], beta[L], inter[L], w_key[L];
 };
 
+// What token_terms reads from global memory (threads 0..63, token tid of chunk c), loaded ahead of the tiles'
+// wait so that its latency hides behind theirs.
+struct TokenLoads {
+  float m_c, m_next, den, m_tok, beta;
+};
+
+__device__ __forceinline__ TokenLoads load_token_terms(const MlstmGradParams& p, int bh, int c) {
+  const MlstmShape& sh = p.shape;
+  const int tid = threadIdx.x, token = c * L + tid;
+  TokenLoads r{};
+  if (tid >= L) return r;
+  r.m_c = p.m_states[(int64_t)bh * (sh.NC + 1) + c];
+  r.m_next = p.m_states[(int64_t)bh * (sh.NC + 1) + c + 1];
+  if (token < sh.S) {
+    const int64_t row = (int64_t)bh * sh.S + token;
+    r.den = p.den_tok[row];
+    r.m_tok = p.m_tok[row];
+    r.beta = p.beta[row];
+  }
+  return r;
+}
+
 template <typename T>
-__device__ __forceinline__ void token_terms(const MlstmGradParams& p, int bh, int c, const GateT<T>* g_s,
-                                            const GateT<T>* a_s, const GateT<T>* pm_s, TokenTerms<T>& tt) {
+__device__ __forceinline__ void token_terms(const MlstmGradParams& p, int c, const TokenLoads& in,
+                                            const GateT<T>* g_s, const GateT<T>* a_s, const GateT<T>* pm_s,
+                                            TokenTerms<T>& tt) {
   const MlstmShape& sh = p.shape;
   const int tid = threadIdx.x;
   if (tid >= L) return;
-  const float m_c = p.m_states[(int64_t)bh * (sh.NC + 1) + c];
-  const float m_next = p.m_states[(int64_t)bh * (sh.NC + 1) + c + 1];
   const int token = c * L + tid;
-  const GateT<T> M = gmax(static_cast<GateT<T>>(m_c), pm_s[tid]);
+  const GateT<T> M = gmax(static_cast<GateT<T>>(in.m_c), pm_s[tid]);
   tt.M[tid] = M;
-  tt.inter[tid] = wexp<T>(m_c - M);
-  tt.w_key[tid] = wexp<T>(g_s[L - 1] + a_s[tid] - m_next);  // 0 beyond the last token
+  tt.inter[tid] = wexp<T>(in.m_c - M);
+  tt.w_key[tid] = wexp<T>(g_s[L - 1] + a_s[tid] - in.m_next);  // 0 beyond the last token
   if (token < sh.S) {
-    const int64_t row = (int64_t)bh * sh.S + token;
-    tt.inv_n[tid] = wdiv<T>(1.f, normaliser<T>(p.den_tok[row], p.m_tok[row]));
-    tt.beta[tid] = p.beta[row];
+    tt.inv_n[tid] = wdiv<T>(1.f, normaliser<T>(in.den, in.m_tok));
+    tt.beta[tid] = in.beta;
   } else {
     tt.inv_n[tid] = 0.f;
     tt.beta[tid] = 0.f;
@@ -69,7 +89,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_grad_qk_kernel(const MlstmGrad
   const StateT* C = static_cast<const StateT*>(p.C_states) + state_offset;
   const StateT* R = static_cast<const StateT*>(p.R_states) + state_offset;
 
-  chunk_gates<T>(sh, p.igate, p.fgate, bh, c, g_s, a_s, pm_s);
+  const TokenLoads token_loads = load_token_terms(p, bh, c);
   if (tid < 64) {
     const int64_t n_offset = ((int64_t)bh * sh.NC + c) * sh.DK + d0 + tid;
     nc_s[tid] = d0 + tid < sh.DK ? p.n_states[n_offset] : 0.f;
@@ -85,6 +105,8 @@ __global__ void __launch_bounds__(kThreads) mlstm_grad_qk_kernel(const MlstmGrad
     stage_tile(v_s, v, sh.DV, c * L, sh.S, v0, sh.DV, sh.vec_v);
     stage_tile(c_s, C, sh.DV, d0, sh.DK, v0, sh.DV, sh.vec_state);
     stage_tile(r_s, R, sh.DV, d0, sh.DK, v0, sh.DV, sh.vec_state);
+    // the gates' loads wait while the tiles' copies are in flight
+    if (v0 == 0) chunk_gates<T>(sh, p.igate, p.fgate, bh, c, g_s, a_s, pm_s);
     cp_async_wait_all();
     __syncthreads();
     warp_mma<T, false, false>(dp, dh_s, warp * 16, v_s);  // dH Vᵀ       (rows: queries)
@@ -92,7 +114,13 @@ __global__ void __launch_bounds__(kThreads) mlstm_grad_qk_kernel(const MlstmGrad
     warp_mma<T, false, false>(dk, v_s, warp * 16, r_s);   // V Rᵀ        (rows: keys, columns: d)
     __syncthreads();
   }
-  token_terms<T>(p, bh, c, g_s, a_s, pm_s, tt);
+  // Q and K (over V's and C's tiles, free now) load while P is formed.
+  const T* q = static_cast<const T*>(p.q) + row_base * sh.DK;
+  const T* k = static_cast<const T*>(p.k) + row_base * sh.DK;
+  stage_tile(q_s, q, sh.DK, c * L, sh.S, d0, sh.DK, sh.vec_qk);
+  stage_tile(k_s, k, sh.DK, c * L, sh.S, d0, sh.DK, sh.vec_qk);
+  cp_async_commit();
+  token_terms<T>(p, c, token_loads, g_s, a_s, pm_s, tt);
   __syncthreads();
 
   // P into shared memory (over dH's tile); dq and dk start from the chunk states' shares.
@@ -139,10 +167,6 @@ __global__ void __launch_bounds__(kThreads) mlstm_grad_qk_kernel(const MlstmGrad
         dk[nt][e] *= p_scale;
       }
   }
-  const T* q = static_cast<const T*>(p.q) + row_base * sh.DK;
-  const T* k = static_cast<const T*>(p.k) + row_base * sh.DK;
-  stage_tile(q_s, q, sh.DK, c * L, sh.S, d0, sh.DK, sh.vec_qk);
-  stage_tile(k_s, k, sh.DK, c * L, sh.S, d0, sh.DK, sh.vec_qk);
   cp_async_wait_all();
   __syncthreads();
   warp_mma<T, false, true>(dq, p_s, warp * 16, k_s);  // + P K
@@ -209,7 +233,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_grad_v_kernel(const MlstmGradP
   const T* k = static_cast<const T*>(p.k) + row_base * sh.DK;
   const StateT* R = static_cast<const StateT*>(p.R_states) + ((int64_t)bh * sh.NC + c) * sh.DK * sh.DV;
 
-  chunk_gates<T>(sh, p.igate, p.fgate, bh, c, g_s, a_s, pm_s);
+  const TokenLoads token_loads = load_token_terms(p, bh, c);
   float s_acc[8][4], dv[8][4];
   zero(s_acc);
   zero(dv);
@@ -217,13 +241,19 @@ __global__ void __launch_bounds__(kThreads) mlstm_grad_v_kernel(const MlstmGradP
     stage_tile(q_s, q, sh.DK, c * L, sh.S, d0, sh.DK, sh.vec_qk);
     stage_tile(k_s, k, sh.DK, c * L, sh.S, d0, sh.DK, sh.vec_qk);
     stage_tile(r_s, R, sh.DV, d0, sh.DK, v0, sh.DV, sh.vec_state);
+    // the gates' loads wait while the tiles' copies are in flight
+    if (d0 == 0) chunk_gates<T>(sh, p.igate, p.fgate, bh, c, g_s, a_s, pm_s);
     cp_async_wait_all();
     __syncthreads();
     warp_mma<T, false, false>(s_acc, q_s, warp * 16, k_s);  // Q Kᵀ   (rows: queries)
     warp_mma<T, false, true>(dv, k_s, warp * 16, r_s);      // K R    (rows: keys)
     __syncthreads();
   }
-  token_terms<T>(p, bh, c, g_s, a_s, pm_s, tt);
+  // dH (over K's tile, free now) loads while the weights are formed.
+  const T* dh = static_cast<const T*>(p.dh) + row_base * sh.DV;
+  stage_tile(dh_s, dh, sh.DV, c * L, sh.S, v0, sh.DV, sh.vec_v);
+  cp_async_commit();
+  token_terms<T>(p, c, token_loads, g_s, a_s, pm_s, tt);
   __syncthreads();
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt)
@@ -234,8 +264,6 @@ __global__ void __launch_bounds__(kThreads) mlstm_grad_v_kernel(const MlstmGradP
       w_s[row * ST + col] = tile_f<T>(w);
       dv[nt][e] *= tt.w_key[row];
     }
-  const T* dh = static_cast<const T*>(p.dh) + row_base * sh.DV;
-  stage_tile(dh_s, dh, sh.DV, c * L, sh.S, v0, sh.DV, sh.vec_v);
   cp_async_wait_all();
   __syncthreads();
   warp_mma<T, true, true>(dv, w_s, warp * 16, dh_s);  // + Wᵀ dH

@@ -1,10 +1,11 @@
 // Torch bindings of the mLSTM kernels (mlstm_*.cu): argument checks that name the operand, allocation,
 // launches. Python reaches them through bem/kernels/mlstm/custom_ops.py.
 //
-//   mlstm_forward(q, k, v, igate, fgate, C0, n0, m0)
+//   mlstm_forward(q, k, v, igate, fgate, C0, n0, m0, state_cols=0)
 //       -> [h, C_last, n_last, m_last, m_tok, den_tok, C_states, n_states, m_states]
-//   mlstm_backward(dh, q, k, v, igate, fgate, m_tok, den_tok, beta, C_states, n_states, m_states, dC_last, dn_last)
-//       -> [dq, dk, dv, qdq, kdk, dC0, dn0]
+//   mlstm_backward(dh, q, k, v, igate, fgate, m_tok, den_tok, beta, C_states, n_states, m_states, dC_last, dn_last,
+//                  state_cols=0) -> [dq, dk, dv, qdq, kdk, dC0, dn0]
+//   mlstm_beta(dh, h, m_tok, den_tok) -> beta
 //   mlstm_step(q, k, v, igate, fgate, C, n, m) -> [h, C', n', m']
 #include <torch/extension.h>
 
@@ -15,6 +16,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "device_info.h"
 #include "mlstm_launchers.h"
 #include "torch_checks.h"
 
@@ -106,8 +108,17 @@ MlstmShape make_shape(const Dims& d, const Tensor& q, const Tensor& k, const Ten
   return sh;
 }
 
+// The state pass's width: 0 picks it by the shape (mlstm_state_cols); 16, 32 or 64 force it (for measuring).
+int state_cols_for(int64_t requested, const Dims& d, const Tensor& q) {
+  if (requested == 0) return mlstm_state_cols((int)(d.B * d.NH), (int)d.DK, (int)d.DV, num_sms(q.get_device()));
+  BEM_CHECK(requested == 16 || requested == 32 || requested == 64, "state_cols must be 0, 16, 32 or 64, got ",
+            requested);
+  return (int)requested;
+}
+
 std::vector<Tensor> mlstm_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& igate,
-                                  const Tensor& fgate, const OptTensor& C0, const OptTensor& n0, const OptTensor& m0) {
+                                  const Tensor& fgate, const OptTensor& C0, const OptTensor& n0, const OptTensor& m0,
+                                  int64_t state_cols) {
   const Dims d = check_sequence(q, k, v, igate, fgate);
   BEM_CHECK(C0.has_value() == n0.has_value() && C0.has_value() == m0.has_value(),
             "initial_state needs all of C, n and m, or none");
@@ -132,6 +143,7 @@ std::vector<Tensor> mlstm_forward(const Tensor& q, const Tensor& k, const Tensor
   MlstmStatesParams sp{};
   sp.shape = sh;
   sp.reverse = false;
+  sp.state_cols = state_cols_for(state_cols, d, q);
   sp.keys = k.data_ptr();
   sp.values = v.data_ptr();
   sp.igate = igate.data_ptr();
@@ -145,7 +157,14 @@ std::vector<Tensor> mlstm_forward(const Tensor& q, const Tensor& k, const Tensor
   sp.C_out = C_last.data_ptr<float>();
   sp.n_out = n_last.data_ptr<float>();
   sp.m_out = m_last.data_ptr<float>();
+  // the gates' scan of every chunk, in the precision the kernels form log weights in (double for float32)
+  const auto gate_type = q.options().dtype(q.scalar_type() == at::kFloat ? at::kDouble : at::kFloat);
+  Tensor a_tok = at::empty({d.B * d.NH, sh.NC, kMlstmChunk}, gate_type);
+  Tensor chunk_gm = at::empty({d.B * d.NH, sh.NC, 2}, gate_type);
+  sp.a_tok = a_tok.data_ptr();
+  sp.chunk_gm = chunk_gm.data_ptr();
   const cudaStream_t stream = stream_now();
+  C10_CUDA_CHECK(launch_mlstm_gate_scan(dtype_of(q), sp, stream));
   C10_CUDA_CHECK(launch_mlstm_states(dtype_of(q), sp, stream));
 
   MlstmOutputsParams op{};
@@ -169,7 +188,7 @@ std::vector<Tensor> mlstm_backward(const Tensor& dh, const Tensor& q, const Tens
                                    const Tensor& igate, const Tensor& fgate, const Tensor& m_tok,
                                    const Tensor& den_tok, const Tensor& beta, const Tensor& C_states,
                                    const Tensor& n_states, const Tensor& m_states, const OptTensor& dC_last,
-                                   const OptTensor& dn_last) {
+                                   const OptTensor& dn_last, int64_t state_cols) {
   const Dims d = check_sequence(q, k, v, igate, fgate);
   check_like_q(dh, "dh", q);
   check_shape(dh, "dh", v.sizes(), "(B, NH, S, DHV) like v");
@@ -197,6 +216,7 @@ std::vector<Tensor> mlstm_backward(const Tensor& dh, const Tensor& q, const Tens
   MlstmStatesParams sp{};
   sp.shape = sh;
   sp.reverse = true;
+  sp.state_cols = state_cols_for(state_cols, d, q);
   sp.keys = q.data_ptr();
   sp.values = dh.data_ptr();
   sp.igate = igate.data_ptr();
@@ -211,6 +231,13 @@ std::vector<Tensor> mlstm_backward(const Tensor& dh, const Tensor& q, const Tens
   sp.m_states = const_cast<float*>(m_states.data_ptr<float>());  // read only in the reverse pass
   sp.C_out = dC0.data_ptr<float>();
   sp.n_out = dn0.data_ptr<float>();
+  Tensor w_tok = at::empty({d.B * d.NH, NC, kMlstmChunk}, f32);
+  Tensor wn_tok = at::empty_like(w_tok);
+  Tensor decay = at::empty({d.B * d.NH, NC}, f32);
+  sp.w_tok = w_tok.data_ptr<float>();
+  sp.wn_tok = wn_tok.data_ptr<float>();
+  sp.decay = decay.data_ptr<float>();
+  C10_CUDA_CHECK(launch_mlstm_gate_scan(dtype_of(q), sp, stream));
   C10_CUDA_CHECK(launch_mlstm_states(dtype_of(q), sp, stream));
 
   Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
@@ -240,6 +267,30 @@ std::vector<Tensor> mlstm_backward(const Tensor& dh, const Tensor& q, const Tens
   gp.kdk = kdk.data_ptr<float>();
   C10_CUDA_CHECK(launch_mlstm_grads(dtype_of(q), gp, stream));
   return {dq, dk, dv, qdq, kdk, dC0, dn0};
+}
+
+Tensor mlstm_beta(const Tensor& dh, const Tensor& h, const Tensor& m_tok, const Tensor& den_tok) {
+  check_kernel_dtype(h);
+  BEM_CHECK(h.dim() == 4 && h.numel() > 0, "h must be a non-empty 4-D (B, NH, S, DHV), got shape ", h.sizes());
+  check_like_q(h, "h", h);
+  check_like_q(dh, "dh", h);
+  check_shape(dh, "dh", h.sizes(), "(B, NH, S, DHV) like h");
+  check_float(m_tok, "m_tok", h, {h.size(0), h.size(1), h.size(2)}, "(B, NH, S)");
+  check_float(den_tok, "den_tok", h, {h.size(0), h.size(1), h.size(2)}, "(B, NH, S)");
+  BEM_CHECK(h.size(3) < INT_MAX, "DHV too large: h ", h.sizes());
+  const c10::cuda::CUDAGuard guard(h.device());
+  Tensor beta = at::empty_like(m_tok);
+  MlstmBetaParams p{};
+  p.rows = h.size(0) * h.size(1) * h.size(2);
+  p.DV = (int)h.size(3);
+  p.vec = vec_ok(p.DV, h) && vec_ok(p.DV, dh);
+  p.dh = dh.data_ptr();
+  p.h = h.data_ptr();
+  p.m_tok = m_tok.data_ptr<float>();
+  p.den_tok = den_tok.data_ptr<float>();
+  p.beta = beta.data_ptr<float>();
+  C10_CUDA_CHECK(launch_mlstm_beta(dtype_of(h), p, stream_now()));
+  return beta;
 }
 
 std::vector<Tensor> mlstm_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& igate,
@@ -291,12 +342,15 @@ void bind_mlstm(pybind11::module_& m) {
   m.def("mlstm_forward", &mlstm_forward,
         "[h, C_last, n_last, m_last, m_tok, den_tok, C_states, n_states, m_states] of the chunkwise mLSTM",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("igate"), py::arg("fgate"), py::arg("C0") = py::none(),
-        py::arg("n0") = py::none(), py::arg("m0") = py::none());
+        py::arg("n0") = py::none(), py::arg("m0") = py::none(), py::arg("state_cols") = 0);
   m.def("mlstm_backward", &mlstm_backward,
         "[dq, dk, dv, qdq, kdk, dC0, dn0] of the chunkwise mLSTM (qdq, kdk: per 64-column tile of DHQK)",
         py::arg("dh"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("igate"), py::arg("fgate"),
         py::arg("m_tok"), py::arg("den_tok"), py::arg("beta"), py::arg("C_states"), py::arg("n_states"),
-        py::arg("m_states"), py::arg("dC_last") = py::none(), py::arg("dn_last") = py::none());
+        py::arg("m_states"), py::arg("dC_last") = py::none(), py::arg("dn_last") = py::none(),
+        py::arg("state_cols") = 0);
+  m.def("mlstm_beta", &mlstm_beta, "beta (B, NH, S): the gradient of each token's stabilised denominator",
+        py::arg("dh"), py::arg("h"), py::arg("m_tok"), py::arg("den_tok"));
   m.def("mlstm_step", &mlstm_step, "[h, C', n', m']: one mLSTM token per row from the float32 state", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("igate"), py::arg("fgate"), py::arg("C"), py::arg("n"), py::arg("m"));
   m.attr("MLSTM_CHUNK") = kMlstmChunk;

@@ -94,29 +94,36 @@ __device__ __forceinline__ void cp_async_wait_all() {
   cp_async_wait<0>();
 }
 
-// tile[r][c] = src[(r0 + r) * ld + c0 + c] for r < 64, c < 64, zero where r0 + r >= rows or c0 + c >= cols.
-// vec: 16-byte copies (cp.async; src of type T, ld and cols multiples of 16 bytes, src 16-byte aligned).
-template <typename T, typename Src>
-__device__ __forceinline__ void stage_tile(T* tile, const Src* src, int64_t ld, int r0, int rows, int c0, int cols,
+// tile[r * Stride + c] = src[(r0 + r) * ld + c0 + c] for r < 64, c < Cols, zero where r0 + r >= rows or
+// c0 + c >= cols. vec: 16-byte copies (cp.async; src of type T, ld and cols multiples of 16 bytes, src 16-byte
+// aligned).
+template <int Cols, int Stride, typename T, typename Src>
+__device__ __forceinline__ void stage_rows(T* tile, const Src* src, int64_t ld, int r0, int rows, int c0, int cols,
                                            bool vec) {
-  constexpr int S = Tile<T>::stride;
   if constexpr (std::is_same<T, Src>::value) {
     if (vec) {
       constexpr int kVec = 16 / (int)sizeof(T);
-      constexpr int kChunks = 64 / kVec;
+      constexpr int kChunks = Cols / kVec;
       for (int idx = threadIdx.x; idx < L * kChunks; idx += kThreads) {
         const int r = idx / kChunks, c = (idx % kChunks) * kVec;
         const bool ok = r0 + r < rows && c0 + c < cols;
-        cp_async16(tile + r * S + c, ok ? src + (int64_t)(r0 + r) * ld + c0 + c : src, ok);
+        cp_async16(tile + r * Stride + c, ok ? src + (int64_t)(r0 + r) * ld + c0 + c : src, ok);
       }
       return;
     }
   }
-  for (int idx = threadIdx.x; idx < L * 64; idx += kThreads) {
-    const int r = idx / 64, c = idx % 64;
+  for (int idx = threadIdx.x; idx < L * Cols; idx += kThreads) {
+    const int r = idx / Cols, c = idx % Cols;
     const bool ok = r0 + r < rows && c0 + c < cols;
-    tile[r * S + c] = tile_f<T>(ok ? to_f(src[(int64_t)(r0 + r) * ld + c0 + c]) : 0.f);
+    tile[r * Stride + c] = tile_f<T>(ok ? to_f(src[(int64_t)(r0 + r) * ld + c0 + c]) : 0.f);
   }
+}
+
+// A 64 x 64 tile (stride Tile<T>::stride) of src, as stage_rows.
+template <typename T, typename Src>
+__device__ __forceinline__ void stage_tile(T* tile, const Src* src, int64_t ld, int r0, int rows, int c0, int cols,
+                                           bool vec) {
+  stage_rows<64, Tile<T>::stride>(tile, src, ld, r0, rows, c0, cols, vec);
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -216,10 +223,12 @@ __device__ __forceinline__ void zero(float (&acc)[8][4]) {
 __device__ __forceinline__ int acc_row(int e) { return (threadIdx.x % 32) / 4 + 8 * (e / 2); }
 __device__ __forceinline__ int acc_col(int nt, int e) { return nt * 8 + 2 * (threadIdx.x % 4) + (e % 2); }
 
-// The gates of chunk c as warp 0 holds them: tokens 2 lane and 2 lane + 1, log σ(f̃) (0 beyond the last
-// token) and ĩ (-inf beyond it). Loaded ahead of their use where a kernel walks the chunks in sequence.
+// The gates of chunk c as warp 0 holds them: tokens 2 lane and 2 lane + 1, the raw pre-activations f̃ (+inf
+// beyond the last token, where log σ is 0) and ĩ (-inf beyond it). Raw, so that a kernel walking the chunks
+// in sequence can load the next chunk's while it works on this one without waiting for them: log σ is taken
+// in scan_gates.
 struct ChunkGates {
-  float lf0, lf1, i0, i1;
+  float f0, f1, i0, i1;
 };
 
 template <typename T>
@@ -228,15 +237,17 @@ __device__ __forceinline__ ChunkGates load_chunk_gates(const MlstmShape& sh, con
   const int lane = threadIdx.x % 32;
   const int t0 = c * L + 2 * lane, t1 = t0 + 1;
   const int64_t base = (int64_t)bh * sh.S;
+  constexpr float kInf = __builtin_huge_valf();
   ChunkGates r;
-  r.lf0 = t0 < sh.S ? log_sigmoid<T>(load_gate<T>(fgate, sh.gates_fp32, base + t0)) : 0.f;
-  r.lf1 = t1 < sh.S ? log_sigmoid<T>(load_gate<T>(fgate, sh.gates_fp32, base + t1)) : 0.f;
+  r.f0 = t0 < sh.S ? load_gate<T>(fgate, sh.gates_fp32, base + t0) : kInf;
+  r.f1 = t1 < sh.S ? load_gate<T>(fgate, sh.gates_fp32, base + t1) : kInf;
   r.i0 = t0 < sh.S ? load_gate<T>(igate, sh.gates_fp32, base + t0) : kNegInf;
   r.i1 = t1 < sh.S ? load_gate<T>(igate, sh.gates_fp32, base + t1) : kNegInf;
   return r;
 }
 
-// The chunk's gates into shared memory (warp 0 only; the caller synchronises):
+// The chunk's gates, scanned by one warp (scan_gates, in its registers; scan_chunk_gates and chunk_gates,
+// into shared memory by warp 0 only, the caller synchronising):
 //   g[t]  inclusive cumulative log σ(f̃) within the chunk,
 //   a[t]  = ĩ_t - g[t] (-inf beyond the last token): key t's log weight relative to the chunk's start,
 //   pm[t] = max over s <= t of a[s]: with M_t = max(m_c, pm[t]) the stabiliser of query t is g[t] + M_t.
@@ -248,11 +259,15 @@ __device__ __forceinline__ ChunkGates load_chunk_gates(const MlstmShape& sh, con
 // terms) that alone made h err 3x the PyTorch formulation (GPU, S 100, initial state; reproduced bit for
 // bit in scripts/mlstm_float32_emulation.py). 16-bit inputs keep all of it in float, far below their own
 // rounding.
-template <typename T>
-__device__ __forceinline__ void scan_chunk_gates(const ChunkGates& r, GateT<T>* g, GateT<T>* a, GateT<T>* pm) {
+template <typename T> struct ScannedGates {
+  GateT<T> g0, g1, a0, a1, pm0, pm1;  // tokens 2 lane and 2 lane + 1
+};
+
+template <typename T> __device__ __forceinline__ ScannedGates<T> scan_gates(const ChunkGates& r) {
   using Acc = GateT<T>;
   const int lane = threadIdx.x % 32;
-  const Acc pair = static_cast<Acc>(r.lf0) + static_cast<Acc>(r.lf1);
+  const float lf0 = log_sigmoid<T>(r.f0), lf1 = log_sigmoid<T>(r.f1);
+  const Acc pair = static_cast<Acc>(lf0) + static_cast<Acc>(lf1);
   Acc incl = pair;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
@@ -261,10 +276,12 @@ __device__ __forceinline__ void scan_chunk_gates(const ChunkGates& r, GateT<T>* 
   }
   Acc before_sum = __shfl_up_sync(0xffffffffu, incl, 1);
   if (lane == 0) before_sum = 0;
-  const Acc g0 = before_sum + static_cast<Acc>(r.lf0), g1 = incl;
-  const Acc a0 = static_cast<Acc>(r.i0) - g0;
-  const Acc a1 = static_cast<Acc>(r.i1) - g1;
-  Acc run = gmax(a0, a1);
+  ScannedGates<T> s;
+  s.g0 = before_sum + static_cast<Acc>(lf0);
+  s.g1 = incl;
+  s.a0 = static_cast<Acc>(r.i0) - s.g0;
+  s.a1 = static_cast<Acc>(r.i1) - s.g1;
+  Acc run = gmax(s.a0, s.a1);
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
     const Acc y = __shfl_up_sync(0xffffffffu, run, o);
@@ -272,12 +289,21 @@ __device__ __forceinline__ void scan_chunk_gates(const ChunkGates& r, GateT<T>* 
   }
   Acc before = __shfl_up_sync(0xffffffffu, run, 1);
   if (lane == 0) before = static_cast<Acc>(kNegInf);
-  g[2 * lane] = g0;
-  g[2 * lane + 1] = g1;
-  a[2 * lane] = a0;
-  a[2 * lane + 1] = a1;
-  pm[2 * lane] = gmax(before, a0);
-  pm[2 * lane + 1] = run;
+  s.pm0 = gmax(before, s.a0);
+  s.pm1 = run;
+  return s;
+}
+
+template <typename T>
+__device__ __forceinline__ void scan_chunk_gates(const ChunkGates& r, GateT<T>* g, GateT<T>* a, GateT<T>* pm) {
+  const int lane = threadIdx.x % 32;
+  const ScannedGates<T> s = scan_gates<T>(r);
+  g[2 * lane] = s.g0;
+  g[2 * lane + 1] = s.g1;
+  a[2 * lane] = s.a0;
+  a[2 * lane + 1] = s.a1;
+  pm[2 * lane] = s.pm0;
+  pm[2 * lane + 1] = s.pm1;
 }
 
 template <typename T>

@@ -36,7 +36,6 @@ __global__ void __launch_bounds__(kThreads) mlstm_outputs_kernel(const MlstmOutp
   const float m_c = p.m_states[(int64_t)bh * (sh.NC + 1) + c];
 
   stage_tile(v_s, v, sh.DV, c * L, sh.S, v0, sh.DV, sh.vec_v);
-  chunk_gates<T>(sh, p.igate, p.fgate, bh, c, g_s, a_s, pm_s);
 
   float s_acc[8][4], h_acc[8][4];
   zero(s_acc);
@@ -47,6 +46,8 @@ __global__ void __launch_bounds__(kThreads) mlstm_outputs_kernel(const MlstmOutp
     stage_tile(k_s, k, sh.DK, c * L, sh.S, d0, sh.DK, sh.vec_qk);
     stage_tile(c_s, C, sh.DV, d0, sh.DK, v0, sh.DV, sh.vec_state);
     if (tid < 64) n_s[tid] = d0 + tid < sh.DK ? n_c[d0 + tid] : 0.f;
+    // the gates' loads wait while the tiles' copies are in flight
+    if (d0 == 0) chunk_gates<T>(sh, p.igate, p.fgate, bh, c, g_s, a_s, pm_s);
     cp_async_wait_all();
     __syncthreads();
     warp_mma<T, false, false>(s_acc, q_s, warp * 16, k_s);  // Q Kᵀ

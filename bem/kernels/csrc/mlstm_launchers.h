@@ -25,7 +25,8 @@ struct MlstmShape {
   bool vec_qk, vec_v, vec_state;
 };
 
-// The chunk-state pass, one block per (row, 64 x 64 tile of the state), walking the chunks in order.
+// The chunk-state pass, one block per (row, 64 rows x state_cols columns of the state), walking the chunks in
+// order.
 // Forward (reverse false): keys = K, values = V; writes the state entering each chunk (C_states, n_states,
 // m_states[0..NC]) and the last state (C_out, n_out, m_out), starting from (C_in, n_in, m_in) or zeros.
 // Reverse: keys = Q, values = dH, from the last chunk back; C_states / n_states get the gradient of the
@@ -34,6 +35,7 @@ struct MlstmShape {
 struct MlstmStatesParams {
   MlstmShape shape;
   bool reverse;
+  int state_cols;  // columns of DV per block: 16, 32 or 64 (mlstm_state_cols)
   const void* keys;
   const void* values;
   const void* igate;
@@ -50,6 +52,14 @@ struct MlstmStatesParams {
   float* C_out;
   float* n_out;
   float* m_out;
+  // Written by the gate scan (launch_mlstm_gate_scan), read by the state pass; [BH][NC][64] per token and
+  // [BH][NC] per chunk. Forward: a_tok (GateT: double for float32 inputs, else float) and chunk_gm (GateT pairs
+  // G, pm[63]). Reverse: w_tok, wn_tok and decay, float32.
+  void* a_tok;
+  void* chunk_gm;
+  float* w_tok;
+  float* wn_tok;
+  float* decay;
 };
 
 // The outputs: one block per (chunk, 64 columns of h, row): h from the chunk's own tokens and the state
@@ -95,6 +105,19 @@ struct MlstmGradParams {
   float* kdk;
 };
 
+// beta [rows] (float32) from dh, h [rows][DV] (the inputs' dtype) and m_tok, den_tok [rows]: the gradient of
+// each token's stabilised denominator (mlstm_beta.cu). vec: 16-byte loads (rows of 16-byte multiples, aligned).
+struct MlstmBetaParams {
+  int64_t rows;
+  int DV;
+  bool vec;
+  const void* dh;
+  const void* h;
+  const float* m_tok;
+  const float* den_tok;
+  float* beta;
+};
+
 // One token per row from the float32 state (C [BH][DK][DV], n [BH][DK], m [BH]) into a new one.
 struct MlstmStepParams {
   int BH, DK, DV;
@@ -114,9 +137,15 @@ struct MlstmStepParams {
   float* m_out;
 };
 
+// The state pass's columns of DV per block for this shape on `sms` multiprocessors.
+int mlstm_state_cols(int BH, int DK, int DV, int sms);
+
+// Every chunk's gate scan for the state pass that follows with the same params (mlstm_gate_scan.cu).
+cudaError_t launch_mlstm_gate_scan(DType dtype, const MlstmStatesParams& p, cudaStream_t stream);
 cudaError_t launch_mlstm_states(DType dtype, const MlstmStatesParams& p, cudaStream_t stream);
 cudaError_t launch_mlstm_outputs(DType dtype, const MlstmOutputsParams& p, cudaStream_t stream);
 cudaError_t launch_mlstm_grads(DType dtype, const MlstmGradParams& p, cudaStream_t stream);
+cudaError_t launch_mlstm_beta(DType dtype, const MlstmBetaParams& p, cudaStream_t stream);
 cudaError_t launch_mlstm_step(DType dtype, const MlstmStepParams& p, cudaStream_t stream);
 
 }  // namespace bem

@@ -132,14 +132,17 @@ def _flops(B, NH, S, D) -> dict[str, float]:
 
 def _time_interleaved(fns: dict[str, Callable[[], object]], rounds: int = 3) -> dict[str, object]:
     """Median of each variant's medians over `rounds` interleaved rounds; a variant that raises, or takes
-    over two seconds a call, is timed no further and reports why."""
+    over two seconds a call after its first, is timed no further and reports why."""
     samples: dict[str, list[float]] = {name: [] for name in fns}
     failed: dict[str, str] = {}
-    for _ in range(rounds):
+    for round_index in range(rounds):
         for name, fn in fns.items():
             if name in failed:
                 continue
             try:
+                if round_index == 0:  # first use: builds, compiles, first-use checks
+                    fn()
+                    torch.cuda.synchronize()
                 start = time.perf_counter()
                 fn()
                 torch.cuda.synchronize()

@@ -107,13 +107,6 @@ def _(q, k, v, igate, fgate, C0, n0, m0):
             q.new_empty(B, NH, NC, DK, dtype=acc), q.new_empty(B, NH, NC + 1, dtype=acc))
 
 
-def _beta(dh: Tensor, h: Tensor, m_tok: Tensor, den_tok: Tensor) -> Tensor:
-    """The gradient of the stabilised denominator: -(dh·h) / n · sign(den) where |den| > exp(-m), else 0."""
-    n = reference.stabilised_normaliser(den_tok, m_tok)
-    dot = (dh.to(den_tok.dtype) * h.to(den_tok.dtype)).sum(-1)
-    return torch.where(den_tok.abs() > torch.exp(-m_tok), -dot / n * torch.sign(den_tok), torch.zeros_like(dot))
-
-
 @torch.library.custom_op("bem::mlstm_chunkwise_bwd", mutates_args=())
 def mlstm_chunkwise_bwd(
     dh: Tensor, q: Tensor, k: Tensor, v: Tensor, igate: Tensor, fgate: Tensor, h: Tensor, m_tok: Tensor,
@@ -129,7 +122,7 @@ def mlstm_chunkwise_bwd(
         dC_read = dC_last.to(q.dtype) if kernel and dC_last is not None else dC_last
         last_term = backward.last_state_term(C_last, n_last, dC_read, dn_last)
     if kernel:
-        beta = _beta(dh, h, m_tok, den_tok).contiguous()
+        beta = extension().mlstm_beta(dh, h.contiguous(), m_tok, den_tok)
         dC = None if dC_last is None else dC_last.float().contiguous()
         dn = None if dn_last is None else dn_last.float().contiguous()
         dq, dk, dv, qdq, kdk, dC0, dn0 = extension().mlstm_backward(

@@ -81,10 +81,8 @@ def _check_dtype(ext, device: torch.device, dtype: torch.dtype) -> Optional[str]
     dh = draw(B, NH, S, DV)
     dC = torch.randn(B, NH, DK, DV, device=device, generator=g)
     dn = torch.randn(B, NH, DK, device=device, generator=g)
-    n_tok = reference.stabilised_normaliser(den_tok, m_tok)
-    dot = (dh.float() * h.float()).sum(-1)
-    beta = torch.where(den_tok.abs() > torch.exp(-m_tok), -dot / n_tok * torch.sign(den_tok), torch.zeros_like(dot))
-    dq, dk, dv, qdq, kdk, dC0, dn0 = ext.mlstm_backward(dh, q, k, v, i, f, m_tok, den_tok, beta.contiguous(), C_states,
+    beta = ext.mlstm_beta(dh, h, m_tok, den_tok)
+    dq, dk, dv, qdq, kdk, dC0, dn0 = ext.mlstm_backward(dh, q, k, v, i, f, m_tok, den_tok, beta, C_states,
                                                         n_states, m_states, dC, dn)
     want = chunkwise_backward(dh.double(), *as64, ref.h, ref.m, ref.den, ref.C_states, ref.n_states, ref.m_states, 64,
                               ref.last, (dC.double(), dn.double()))
