@@ -9,6 +9,10 @@
 #include <mma.h>
 #include <atomic>
 #include <cstdint>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <type_traits>
 
 #include "launchers.h"
@@ -220,6 +224,31 @@ cudaError_t raise_smem_limit(int bytes) {
   err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err == cudaSuccess) raised.fetch_or(bit);
   return err;
+}
+
+// How many clusters of `cs` blocks of `kernel` the device runs at once: clusters live inside one GPC, so this
+// is less than (blocks per multiprocessor x multiprocessors) / cs, and a grid with more clusters than this
+// runs a second wave. Read once per (device, kernel, cs): `configure` fills the launch config to ask about
+// (and may raise the kernel's shared-memory limit first); on any error 0, planning as if nothing were
+// resident.
+inline int resident_clusters_of(const void* kernel, int device, int cs,
+                                const std::function<cudaError_t(cudaLaunchConfig_t&, cudaLaunchAttribute*)>& configure) {
+  static std::mutex lock;
+  static std::map<std::tuple<int, const void*, int>, int> cache;
+  std::lock_guard<std::mutex> guard(lock);
+  const auto key = std::make_tuple(device, kernel, cs);
+  const auto found = cache.find(key);
+  if (found != cache.end()) return found->second;
+  int clusters = 0;
+  cudaLaunchAttribute attribute[2];
+  cudaLaunchConfig_t config = {};
+  if (configure(config, attribute) != cudaSuccess ||
+      cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
+    cudaGetLastError();  // not sticky: clear it
+    clusters = 0;
+  }
+  cache[key] = clusters;
+  return clusters;
 }
 
 }  // namespace bem

@@ -16,9 +16,6 @@
 
 #include <cooperative_groups.h>
 
-#include <map>
-#include <mutex>
-#include <utility>
 
 #include "common.cuh"
 #include "launchers.h"
@@ -162,60 +159,40 @@ __global__ void __launch_bounds__(kThreads) decode_columns_kernel(DecodeArgs p) 
 #endif
 }
 
-template <typename T, int MT, int RZ>
-cudaError_t launch_typed(const DecodeArgs& a, cudaStream_t stream) {
-  cudaLaunchAttribute attribute;
-  const dim3 grid(a.split_k, (a.N + kCols - 1) / kCols, 1);
-  const cudaLaunchConfig_t config = cluster_launch_config(grid, kThreads, 0, stream, a.split_k, attribute);
-  return cudaLaunchKernelEx(&config, decode_columns_kernel<T, MT, RZ>, a);
+template <typename T> using ColumnsKernel = void (*)(DecodeArgs);
+
+// The form of the kernel for M tokens (1, 2 or 4 a block) at rank r (up to 8, 16, 32 or 64): what launches and
+// what the occupancy query asks about (the float16 form's resources are the bfloat16 one's).
+template <typename T, int MT>
+ColumnsKernel<T> columns_kernel_rank(int r) {
+  return r <= 8 ? decode_columns_kernel<T, MT, 1>
+         : r <= 16 ? decode_columns_kernel<T, MT, 2>
+         : r <= 32 ? decode_columns_kernel<T, MT, 4>
+                   : decode_columns_kernel<T, MT, 8>;
 }
 
-template <typename T, int MT>
-cudaError_t launch_rank(const DecodeArgs& a, cudaStream_t stream) {
-  return a.r <= 8 ? launch_typed<T, MT, 1>(a, stream)
-         : a.r <= 16 ? launch_typed<T, MT, 2>(a, stream)
-         : a.r <= 32 ? launch_typed<T, MT, 4>(a, stream)
-                     : launch_typed<T, MT, 8>(a, stream);
+template <typename T>
+ColumnsKernel<T> columns_kernel(int M, int r) {
+  static_assert(kDecodeColumnsMaxTokens == 4, "forms for 1, 2 and 4 tokens");
+  return M <= 1 ? columns_kernel_rank<T, 1>(r) : M <= 2 ? columns_kernel_rank<T, 2>(r) : columns_kernel_rank<T, 4>(r);
 }
 
 template <typename T>
 cudaError_t launch_tokens(const DecodeArgs& a, cudaStream_t stream) {
-  static_assert(kDecodeColumnsMaxTokens == 4, "forms for 1, 2 and 4 tokens");
-  return a.M <= 1 ? launch_rank<T, 1>(a, stream) : a.M <= 2 ? launch_rank<T, 2>(a, stream) : launch_rank<T, 4>(a, stream);
-}
-
-// The bf16 form of the kernel that takes M tokens at rank r (the fp16 form's resources are the same).
-template <int MT>
-const void* kernel_for_rank(int r) {
-  return r <= 8 ? (const void*)decode_columns_kernel<__nv_bfloat16, MT, 1>
-         : r <= 16 ? (const void*)decode_columns_kernel<__nv_bfloat16, MT, 2>
-         : r <= 32 ? (const void*)decode_columns_kernel<__nv_bfloat16, MT, 4>
-                   : (const void*)decode_columns_kernel<__nv_bfloat16, MT, 8>;
-}
-
-const void* kernel_for(int M, int r) {
-  return M <= 1 ? kernel_for_rank<1>(r) : M <= 2 ? kernel_for_rank<2>(r) : kernel_for_rank<4>(r);
-}
-
-// How many clusters of `cs` blocks the device runs at once for the form that takes M tokens at rank r
-// (its registers set how many blocks a multiprocessor holds), read once per device, form and size.
-int resident_column_clusters(int cs, int M, int r, int device) {
-  static std::mutex lock;
-  static std::map<std::pair<int, const void*>, int> cache;
-  const void* kernel = kernel_for(M, r);
-  const int key_int = device * 16 + cs;
-  std::lock_guard<std::mutex> guard(lock);
-  auto found = cache.find({key_int, kernel});
-  if (found != cache.end()) return found->second;
-  int clusters = 0;
   cudaLaunchAttribute attribute;
-  const cudaLaunchConfig_t config = cluster_launch_config(dim3(cs, 1, 1), kThreads, 0, nullptr, cs, attribute);
-  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
-    cudaGetLastError();  // not sticky: clear it, and plan as if nothing were resident
-    clusters = 0;
-  }
-  cache[{key_int, kernel}] = clusters;
-  return clusters;
+  const dim3 grid(a.split_k, (a.N + kCols - 1) / kCols, 1);
+  const cudaLaunchConfig_t config = cluster_launch_config(grid, kThreads, 0, stream, a.split_k, attribute);
+  return cudaLaunchKernelEx(&config, columns_kernel<T>(a.M, a.r), a);
+}
+
+// Clusters of `cs` blocks resident at once (common.cuh) for the form that takes M tokens at rank r (its
+// registers set how many blocks a multiprocessor holds).
+int resident_column_clusters(int cs, int M, int r, int device) {
+  const void* kernel = (const void*)columns_kernel<__nv_bfloat16>(M, r);
+  return resident_clusters_of(kernel, device, cs, [cs](cudaLaunchConfig_t& config, cudaLaunchAttribute* attribute) {
+    config = cluster_launch_config(dim3(cs, 1, 1), kThreads, 0, nullptr, cs, attribute[0]);
+    return cudaSuccess;
+  });
 }
 
 }  // namespace

@@ -22,10 +22,6 @@
 //   first block of each stream cluster loads Pc half-way through its stream and adds Pc U^T to its
 //   rows. That launch costs about 1.5-2 µs of the stream's time wherever the rank is.
 
-#include <map>
-#include <mutex>
-#include <utility>
-
 #include "decode_projection.cuh"
 
 namespace bem {
@@ -324,31 +320,19 @@ cudaError_t launch_tokens(const DecodeArgs& a, cudaStream_t stream) {
   return a.M <= 8 ? launch_ranks<T, 1>(a, stream) : launch_ranks<T, 2>(a, stream);
 }
 
-// How many clusters of `cs` blocks the device runs at once: clusters live inside one GPC, so this is
-// less than (blocks per multiprocessor x multiprocessors) / cs, and a grid with more clusters than
-// this runs a second wave. Read once per device and cluster size (for the in-block form, whose
-// shared memory is the larger).
+// Clusters of `cs` blocks resident at once (common.cuh), for the in-block form, whose shared memory is the
+// larger.
 int resident_clusters(int cs, int device) {
-  static std::mutex lock;
-  static std::map<std::pair<int, int>, int> cache;
-  std::lock_guard<std::mutex> guard(lock);
-  auto found = cache.find({device, cs});
-  if (found != cache.end()) return found->second;
-  int clusters = 0;
-  auto* kernel = decode_stream_kernel<__nv_bfloat16, 2, 1, true>;
-  if (raise_smem_limit<decode_stream_kernel<__nv_bfloat16, 2, 1, true>>(kOwnSmemBytes) == cudaSuccess) {
+  constexpr auto kernel = decode_stream_kernel<__nv_bfloat16, 2, 1, true>;
+  return resident_clusters_of((const void*)kernel, device, cs, [cs](cudaLaunchConfig_t& config,
+                                                                    cudaLaunchAttribute* attribute) {
+    const cudaError_t err = raise_smem_limit<kernel>(kOwnSmemBytes);
     DecodeArgs probe{};
     probe.N = kRows;
     probe.split_k = cs;
-    cudaLaunchAttribute attribute[2];
-    const cudaLaunchConfig_t config = stream_config(probe, attribute, nullptr, kOwnSmemBytes, false);
-    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
-      cudaGetLastError();  // not sticky: clear it, and plan as if nothing were resident
-      clusters = 0;
-    }
-  }
-  cache[{device, cs}] = clusters;
-  return clusters;
+    config = stream_config(probe, attribute, nullptr, kOwnSmemBytes, false);
+    return err;
+  });
 }
 
 }  // namespace

@@ -5,6 +5,9 @@
 //   num_t = (P V)_t + exp(m_c - M_t) / √d · C_cᵀ q_t,   den_t = sum_s P_ts + exp(m_c - M_t) / √d · n_c·q_t
 //   h_t = num_t / max(|den_t|, exp(-m_t)),   m_t = g[t] + M_t
 // Q Kᵀ and Q C_c accumulate over DK in 64-column steps; P goes through shared memory into P V.
+#include <cstdint>
+#include <cstring>
+
 #include "mlstm_common.cuh"
 
 namespace bem {
@@ -12,8 +15,24 @@ namespace {
 
 using namespace mlstm;
 
+// Two adjacent elements (x at `at`, y after it) as one 4- or 8-byte store: `at` an even element of a row.
+template <typename T> __device__ __forceinline__ void store2(T* at, T x, T y) {
+  if constexpr (sizeof(T) == 2) {
+    const T pair[2] = {x, y};
+    uint32_t packed;
+    memcpy(&packed, pair, sizeof(packed));
+    *reinterpret_cast<uint32_t*>(at) = packed;
+  } else {
+    *reinterpret_cast<float2*>(at) = make_float2(x, y);
+  }
+}
+
+// Two phases, so that the block computes while its later tiles arrive and its two accumulators are never live
+// at once: Q Kᵀ (and q·n) over DK with C's first rows and V in flight, then P; then Q C_c over DK and P V.
+// 16-bit inputs: at most 128 registers, so that four blocks fit on a multiprocessor (the kernel waits on
+// memory).
 template <typename T, typename StateT>
-__global__ void __launch_bounds__(kThreads) mlstm_outputs_kernel(const MlstmOutputsParams p) {
+__global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 4 : 1) mlstm_outputs_kernel(const MlstmOutputsParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   constexpr int ST = Tile<T>::stride;
   T* q_s = reinterpret_cast<T*>(smem_raw);  // [token][d]
@@ -34,30 +53,42 @@ __global__ void __launch_bounds__(kThreads) mlstm_outputs_kernel(const MlstmOutp
   const StateT* C = static_cast<const StateT*>(p.C_states) + ((int64_t)bh * sh.NC + c) * sh.DK * sh.DV;
   const float* n_c = p.n_states + ((int64_t)bh * sh.NC + c) * sh.DK;
   const float m_c = p.m_states[(int64_t)bh * (sh.NC + 1) + c];
+  const bool one_tile = sh.DK <= 64;  // Q's tile then serves both phases
 
-  stage_tile(v_s, v, sh.DV, c * L, sh.S, v0, sh.DV, sh.vec_v);
-
-  float s_acc[8][4], h_acc[8][4];
+  // Phase 1: S = Q Kᵀ and q_t·n_c, in GateT (float32 inputs sum it in double, as they form their log weights:
+  // the denominator it enters can cancel, and the float32 backward's error bound is tight).
+  float s_acc[8][4];
   zero(s_acc);
-  zero(h_acc);
-  float qn = 0.f;  // q_t·n_c over half a row (t = tid / 2)
+  GateT<T> qn = 0;  // over half a row (t = tid / 2)
   for (int d0 = 0; d0 < sh.DK; d0 += 64) {
     stage_tile(q_s, q, sh.DK, c * L, sh.S, d0, sh.DK, sh.vec_qk);
     stage_tile(k_s, k, sh.DK, c * L, sh.S, d0, sh.DK, sh.vec_qk);
-    stage_tile(c_s, C, sh.DV, d0, sh.DK, v0, sh.DV, sh.vec_state);
+    cp_async_commit();
+    if (d0 == 0) {  // phase 2's first tiles, in flight through phase 1
+      stage_tile(c_s, C, sh.DV, 0, sh.DK, v0, sh.DV, sh.vec_state);
+      stage_tile(v_s, v, sh.DV, c * L, sh.S, v0, sh.DV, sh.vec_v);
+      cp_async_commit();
+      chunk_gates<T>(sh, p.igate, p.fgate, bh, c, g_s, a_s, pm_s);  // its loads wait while the copies fly
+    }
     if (tid < 64) n_s[tid] = d0 + tid < sh.DK ? n_c[d0 + tid] : 0.f;
-    // the gates' loads wait while the tiles' copies are in flight
-    if (d0 == 0) chunk_gates<T>(sh, p.igate, p.fgate, bh, c, g_s, a_s, pm_s);
-    cp_async_wait_all();
+    if (d0 == 0) {
+      cp_async_wait<1>();  // Q and K; C and V may still be in flight
+    } else {
+      cp_async_wait<0>();
+    }
     __syncthreads();
     warp_mma<T, false, false>(s_acc, q_s, warp * 16, k_s);  // Q Kᵀ
-    warp_mma<T, false, true>(h_acc, q_s, warp * 16, c_s);   // Q C_c
     const int half = tid % 2;
-    for (int j = 0; j < 32; ++j) qn += to_f(q_s[(tid / 2) * ST + half * 32 + j]) * n_s[half * 32 + j];
+    GateT<T> part[4] = {0, 0, 0, 0};  // four chains, not one of 32
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      part[j % 4] += static_cast<GateT<T>>(to_f(q_s[(tid / 2) * ST + half * 32 + j])) * n_s[half * 32 + j];
+    }
+    qn += (part[0] + part[1]) + (part[2] + part[3]);
     __syncthreads();
   }
   qn += __shfl_xor_sync(0xffffffffu, qn, 1);
-  if (tid % 2 == 0) qn_s[tid / 2] = qn;
+  if (tid % 2 == 0) qn_s[tid / 2] = static_cast<float>(qn);
 
   // P = (Q Kᵀ / √d) ⊙ exp(a_s - M_t), causal, into shared memory (over K's tile); its row sums in float32.
   float row_sum[2] = {0.f, 0.f}, inter[2];
@@ -71,22 +102,44 @@ __global__ void __launch_bounds__(kThreads) mlstm_outputs_kernel(const MlstmOutp
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int t = warp * 16 + acc_row(e), s = acc_col(nt, e), hi = e / 2;
-      const float w = s <= t ? s_acc[nt][e] * sh.scale * wexp<T>(a_s[s] - M[hi]) : 0.f;
-      row_sum[hi] += w;
-      p_s[t * ST + s] = tile_f<T>(w);
-      h_acc[nt][e] *= inter[hi];
+    for (int hi = 0; hi < 2; ++hi) {
+      const int t = warp * 16 + acc_row(2 * hi), s0 = acc_col(nt, 0);
+      float w[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int s = s0 + j;
+        w[j] = s <= t ? s_acc[nt][2 * hi + j] * sh.scale * wexp<T>(a_s[s] - M[hi]) : 0.f;
+        row_sum[hi] += w[j];
+      }
+      store2(p_s + t * ST + s0, tile_f<T>(w[0]), tile_f<T>(w[1]));
     }
 #pragma unroll
   for (int hi = 0; hi < 2; ++hi) {
     row_sum[hi] += __shfl_xor_sync(0xffffffffu, row_sum[hi], 1);
     row_sum[hi] += __shfl_xor_sync(0xffffffffu, row_sum[hi], 2);
   }
-  __syncthreads();
+
+  // Phase 2: Q C_c over DK, scaled, then + P V.
+  float h_acc[8][4];
+  zero(h_acc);
+  for (int d0 = 0; d0 < sh.DK; d0 += 64) {
+    if (!one_tile) {
+      __syncthreads();  // the previous tiles are read
+      stage_tile(q_s, q, sh.DK, c * L, sh.S, d0, sh.DK, sh.vec_qk);
+      if (d0 > 0) stage_tile(c_s, C, sh.DV, d0, sh.DK, v0, sh.DV, sh.vec_state);
+    }
+    cp_async_wait_all();
+    __syncthreads();
+    warp_mma<T, false, true>(h_acc, q_s, warp * 16, c_s);  // Q C_c
+  }
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) h_acc[nt][e] *= inter[e / 2];
   warp_mma<T, false, true>(h_acc, p_s, warp * 16, v_s);  // + P V
 
   T* h = static_cast<T*>(p.h) + row_base * sh.DV;
+  const bool pairs = sh.DV % 2 == 0;
 #pragma unroll
   for (int hi = 0; hi < 2; ++hi) {
     const int t = warp * 16 + acc_row(2 * hi), token = c * L + t;
@@ -95,12 +148,17 @@ __global__ void __launch_bounds__(kThreads) mlstm_outputs_kernel(const MlstmOutp
     const float inv_n = wdiv<T>(1.f, normaliser<T>(den, m_t));
     if (token < sh.S) {
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int e = 2 * hi; e < 2 * hi + 2; ++e) {
-          const int dv = v0 + acc_col(nt, e);
-          if (dv < sh.DV) h[(int64_t)token * sh.DV + dv] = from_f<T>(h_acc[nt][e] * inv_n);
+      for (int nt = 0; nt < 8; ++nt) {
+        const int dv = v0 + acc_col(nt, 0);
+        T* at = h + (int64_t)token * sh.DV + dv;
+        const T x = from_f<T>(h_acc[nt][2 * hi] * inv_n), y = from_f<T>(h_acc[nt][2 * hi + 1] * inv_n);
+        if (pairs && dv + 1 < sh.DV) {
+          store2(at, x, y);
+        } else {
+          if (dv < sh.DV) at[0] = x;
+          if (dv + 1 < sh.DV) at[1] = y;
         }
+      }
       if (blockIdx.y == 0 && tid % 4 == 0 && p.m_tok != nullptr) {
         p.m_tok[row_base + token] = m_t;
         p.den_tok[row_base + token] = den;

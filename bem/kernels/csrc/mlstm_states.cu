@@ -34,6 +34,20 @@ __device__ __forceinline__ void split_scaled(uint32_t in, float wa, float wb, ui
   memcpy(&hi, h, sizeof(hi));
   memcpy(&lo, l, sizeof(lo));
 }
+// bfloat16: the same numbers with paired conversions (no saturation to keep: bfloat16 has float32's range).
+template <>
+__device__ __forceinline__ void split_scaled<__nv_bfloat16>(uint32_t in, float wa, float wb, uint32_t& hi,
+                                                            uint32_t& lo) {
+  __nv_bfloat162 e;
+  memcpy(&e, &in, sizeof(in));
+  const float2 f = __bfloat1622float2(e);
+  const float2 x = make_float2(f.x * wa, f.y * wb);
+  const __nv_bfloat162 h = __float22bfloat162_rn(x);
+  const float2 hf = __bfloat1622float2(h);
+  const __nv_bfloat162 l = __float22bfloat162_rn(make_float2(x.x - hf.x, x.y - hf.y));
+  memcpy(&hi, &h, sizeof(hi));
+  memcpy(&lo, &l, sizeof(lo));
+}
 
 // acc (16 rows of d from m0, 8 NT columns of dv) += sum_s w_s keys[s][m0 + .]ᵀ vals[s][.], over the chunk's 64
 // tokens s: the keys tile [token][d] (stride Tile<T>::stride), the values tile [token][dv] (stride VS).
@@ -131,7 +145,9 @@ __global__ void __launch_bounds__(kThreads) mlstm_states_kernel(const MlstmState
   T* vals_buf = keys_buf + kStages * tile_elems<T>();
   unsigned char* weights_buf = reinterpret_cast<unsigned char*>(vals_buf + kStages * kValElems);
   __shared__ float w_fwd[L];  // forward: the chunk's weights exp(a_t - M)
-  __shared__ float n_part[2][64];
+  // n in GateT: float32 inputs carry it in double (their n_states and the gradient of n0 are held to twice
+  // PyTorch's float32 error, and n sums every token's weighted key)
+  __shared__ G n_part[2][64];
 
   const MlstmShape& sh = p.shape;
   const int bh = blockIdx.x, d0 = blockIdx.y * 64, v0 = blockIdx.z * W;
@@ -153,19 +169,63 @@ __global__ void __launch_bounds__(kThreads) mlstm_states_kernel(const MlstmState
       const int d = d0 + warp * 16 + acc_row(e), dv = v0 + acc_col(nt, e);
       acc[nt][e] = p.C_in != nullptr && d < sh.DK && dv < sh.DV ? p.C_in[bh * state_size + (int64_t)d * sh.DV + dv] : 0.f;
     }
+  // Where this thread's accumulator pairs (rows d, columns dv and dv + 1) go in a chunk's state, set up once.
+  const auto dv_of = [&](int nt) { return v0 + acc_col(nt, 0); };
+  bool row_in[2], store_pairs[NT][2];
+  int64_t state_at[NT][2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int d = d0 + warp * 16 + acc_row(2 * h);
+    row_in[h] = d < sh.DK;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      state_at[nt][h] = (int64_t)d * sh.DV + dv_of(nt);
+      store_pairs[nt][h] = row_in[h] && pairs && dv_of(nt) + 1 < sh.DV;
+    }
+  }
   const int my_d = d0 + tid;  // threads 0..63 keep n for one d each
-  float n_val = 0.f, n_decay = 0.f;
+  G n_val = 0;
+  float n_decay = 0.f;
   if (owns_n && tid < 64 && p.n_in != nullptr && my_d < sh.DK) n_val = p.n_in[(int64_t)bh * sh.DK + my_d];
   float m = (!p.reverse && p.m_in != nullptr) ? p.m_in[bh] : 0.f;
 
   // Chunk `step`'s tiles and weights into buffer step % kStages, as one cp.async group (empty past the last
-  // chunk, so that every step commits one group and the wait below counts the same).
+  // chunk, so that every step commits one group and the wait below counts the same). Where rows allow
+  // 16-byte copies each thread copies fixed pieces of every chunk: its rows and columns are set up once here.
+  constexpr int kVec = 16 / (int)sizeof(T);
+  constexpr int kKeyPieces = 64 / kVec, kKeyRows = kThreads / kKeyPieces;  // pieces a row, rows a pass
+  constexpr int kValPieces = W / kVec, kValRows = kThreads / kValPieces;
+  const int key_row = tid / kKeyPieces, key_col = (tid % kKeyPieces) * kVec;
+  const int val_row = tid / kValPieces, val_col = (tid % kValPieces) * kVec;
+  const bool key_col_ok = d0 + key_col < sh.DK, val_col_ok = v0 + val_col < sh.DV;
+  const T* key_src = keys + (int64_t)key_row * sh.DK + d0 + key_col;
+  const T* val_src = vals + (int64_t)val_row * sh.DV + v0 + val_col;
   const auto stage_chunk = [&](int step) {
     if (step < sh.NC) {
       const int c = chunk_at(step), buf = step % kStages;
       const int64_t chunk = (int64_t)bh * sh.NC + c;
-      stage_tile(keys_buf + buf * tile_elems<T>(), keys, sh.DK, c * L, sh.S, d0, sh.DK, sh.vec_qk);
-      stage_rows<W, VS>(vals_buf + buf * kValElems, vals, sh.DV, c * L, sh.S, v0, sh.DV, sh.vec_v);
+      const int rows_left = sh.S - c * L;
+      T* key_dst = keys_buf + buf * tile_elems<T>();
+      T* val_dst = vals_buf + buf * kValElems;
+      if (sh.vec_qk) {
+#pragma unroll
+        for (int r = 0; r < L; r += kKeyRows) {
+          const bool ok = key_col_ok && key_row + r < rows_left;
+          cp_async16(key_dst + (key_row + r) * Tile<T>::stride + key_col,
+                     ok ? key_src + (int64_t)(c * L + r) * sh.DK : keys, ok);
+        }
+      } else {
+        stage_tile(key_dst, keys, sh.DK, c * L, sh.S, d0, sh.DK, false);
+      }
+      if (sh.vec_v) {
+#pragma unroll
+        for (int r = 0; r < L; r += kValRows) {
+          const bool ok = val_col_ok && val_row + r < rows_left;
+          cp_async16(val_dst + (val_row + r) * VS + val_col, ok ? val_src + (int64_t)(c * L + r) * sh.DV : vals, ok);
+        }
+      } else {
+        stage_rows<W, VS>(val_dst, vals, sh.DV, c * L, sh.S, v0, sh.DV, false);
+      }
       unsigned char* wb = weights_buf + buf * kWeightBytes;
       constexpr int kPieces = L * (int)sizeof(G) / 16;  // 16-byte pieces of one array of 64
       if (!p.reverse) {
@@ -193,18 +253,18 @@ __global__ void __launch_bounds__(kThreads) mlstm_states_kernel(const MlstmState
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; e += 2) {
-        const int d = d0 + warp * 16 + acc_row(e), dv = v0 + acc_col(nt, e);
-        if (d >= sh.DK) continue;
-        StateT* at = out + (int64_t)d * sh.DV + dv;
-        if (pairs && dv + 1 < sh.DV) {
-          store_pair(at, acc[nt][e], acc[nt][e + 1]);
-        } else {
-          if (dv < sh.DV) at[0] = from_f<StateT>(acc[nt][e]);
-          if (dv + 1 < sh.DV) at[1] = from_f<StateT>(acc[nt][e + 1]);
+      for (int h = 0; h < 2; ++h) {
+        StateT* at = out + state_at[nt][h];
+        if (store_pairs[nt][h]) {
+          store_pair(at, acc[nt][2 * h], acc[nt][2 * h + 1]);
+        } else if (row_in[h]) {
+          if (dv_of(nt) < sh.DV) at[0] = from_f<StateT>(acc[nt][2 * h]);
+          if (dv_of(nt) + 1 < sh.DV) at[1] = from_f<StateT>(acc[nt][2 * h + 1]);
         }
       }
-    if (owns_n && tid < 64 && my_d < sh.DK) p.n_states[((int64_t)bh * sh.NC + c) * sh.DK + my_d] = n_val;
+    if (owns_n && tid < 64 && my_d < sh.DK) {
+      p.n_states[((int64_t)bh * sh.NC + c) * sh.DK + my_d] = static_cast<float>(n_val);
+    }
     if (!p.reverse && owns_m && tid == 0) p.m_states[(int64_t)bh * (sh.NC + 1) + c] = m;
 
     stage_chunk(step + kStages - 1);
@@ -235,11 +295,11 @@ __global__ void __launch_bounds__(kThreads) mlstm_states_kernel(const MlstmState
     scaled_key_mma<T, NT, VS>(acc, keys_s, warp * 16, vals_s, w_s);  // + (w ⊙ keys)ᵀ values
     if (owns_n) {  // n's sum over the chunk's 64 tokens in two halves of 32, four chains each
       const int col = tid % 64, half = tid / 64;
-      float sum[4] = {0.f, 0.f, 0.f, 0.f};
+      G sum[4] = {0, 0, 0, 0};
 #pragma unroll
       for (int r = 0; r < 32; ++r) {
         const int t = half * 32 + r;
-        sum[r % 4] += wn_s[t] * to_f(keys_s[t * Tile<T>::stride + col]);
+        sum[r % 4] += static_cast<G>(wn_s[t]) * to_f(keys_s[t * Tile<T>::stride + col]);
       }
       n_part[half][col] = (sum[0] + sum[1]) + (sum[2] + sum[3]);
     }
@@ -255,7 +315,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_states_kernel(const MlstmState
       const int d = d0 + warp * 16 + acc_row(e), dv = v0 + acc_col(nt, e);
       if (d < sh.DK && dv < sh.DV) p.C_out[bh * state_size + (int64_t)d * sh.DV + dv] = acc[nt][e];
     }
-  if (owns_n && tid < 64 && my_d < sh.DK) p.n_out[(int64_t)bh * sh.DK + my_d] = n_val;
+  if (owns_n && tid < 64 && my_d < sh.DK) p.n_out[(int64_t)bh * sh.DK + my_d] = static_cast<float>(n_val);
   if (!p.reverse && owns_m && tid == 0) {
     p.m_states[(int64_t)bh * (sh.NC + 1) + sh.NC] = m;
     p.m_out[bh] = m;
@@ -291,8 +351,9 @@ cudaError_t launch(const MlstmStatesParams& p, cudaStream_t stream) {
 int mlstm_state_cols(int BH, int DK, int DV, int sms) {
   const int64_t rows = (int64_t)BH * ((DK + 63) / 64);
   for (const int cols : {64, 32}) {
-    // no wider than DV needs, and at least 3 blocks a multiprocessor to overlap their chunks' latency
-    if (DV > cols / 2 && rows * ((DV + cols - 1) / cols) >= 3 * (int64_t)sms) return cols;
+    // no wider than DV needs, and at least 1.5 blocks a multiprocessor (narrower tiles repeat the keys' share
+    // of the work in every block: measured on an H100, 32 columns beat 16 at 256 blocks, 16 beat 32 at 64)
+    if (DV > cols / 2 && 2 * rows * ((DV + cols - 1) / cols) >= 3 * (int64_t)sms) return cols;
   }
   return 16;
 }
