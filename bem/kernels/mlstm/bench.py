@@ -2,7 +2,8 @@
 
 In one process, interleaved, bf16, for each shape (B, NH, S, DH): SDPA causal on the same q, k, v (a
 yardstick), the PyTorch formulation (parallel where its S x S matrices fit, else chunkwise), TFLA
-(mlstm_kernels' chunkwise Triton kernels, "xl_chunk") when it imports, and the BEM kernels; forward and
+(mlstm_kernels' chunkwise Triton kernels: "xl_chunk", or "limit_chunk" where xl_chunk dies in Triton's compiler)
+when it imports, and the BEM kernels; forward and
 forward+backward (CUDA-event medians, `triton.testing.do_bench`), TFLOP/s against the bf16 matmul ceiling
 measured in the same run. Then the recurrent step (µs per call, eager and replayed from a CUDA graph) and
 the forward's time per token from S = 8K up, which should stay flat.
@@ -40,60 +41,72 @@ def _median_ms(fn: Callable[[], object], rep: int = 100) -> float:
     return do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
+# TFLA's chunkwise kernel families (mlstm_kernels 2.x), tried in this order, each at its chunk size: xl_chunk
+# (the fast one) aborts the process inside Triton 3.6's compiler (an LLVM SLPVectorizer assertion, seen on an
+# H100 at chunks 64, 128 and 256); limit_chunk compiles there.
+TFLA_FORMS = (("xl_chunk", "triton_xl_chunk", "mlstm_chunkwise__xl_chunk", 128),
+              ("limit_chunk", "triton_limit_chunk", "mlstm_chunkwise__limit_chunk", 64))
+
 _TFLA_PROBE = """
-import sys, torch
-from mlstm_kernels.torch.chunkwise.triton_xl_chunk import mlstm_chunkwise__xl_chunk
-B, NH, S, D, chunk = (int(a) for a in sys.argv[1:6])
+import importlib, sys, torch
+module, name = sys.argv[1:3]
+B, NH, S, D, chunk = (int(a) for a in sys.argv[3:8])
+fn = getattr(importlib.import_module("mlstm_kernels.torch.chunkwise." + module), name)
 q, k, v = (torch.randn(B, NH, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 i, f = (torch.randn(B, NH, S, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-h = mlstm_chunkwise__xl_chunk(q, k, v, i, f, chunk_size=chunk, autocast_kernel_dtype=torch.bfloat16)
+h = fn(q, k, v, i, f, chunk_size=chunk, autocast_kernel_dtype=torch.bfloat16)
 torch.autograd.grad(h.float().sum(), (q, k, v, i, f))
 torch.cuda.synchronize()
 """
 
 
 def _load_tfla():
-    """TFLA's chunkwise kernel (a function of q, k, v, i, f and its chunk size), or (None, why not)."""
+    """Whether mlstm_kernels imports: (True, None), or (None, why not)."""
     try:
-        from mlstm_kernels.torch.chunkwise.triton_xl_chunk import mlstm_chunkwise__xl_chunk
+        import mlstm_kernels.torch.chunkwise  # noqa: F401
     except Exception as error:  # not installed, or its import fails on this Triton
         return None, f"{type(error).__name__}: {error}"
-
-    def run(q, k, v, i, f, chunk_size=128):
-        return mlstm_chunkwise__xl_chunk(q, k, v, i, f, return_last_states=False, chunk_size=chunk_size,
-                                         autocast_kernel_dtype=DTYPE)
-
-    return run, None
+    return True, None
 
 
-def _tfla_chunk_that_runs(B, NH, S, D) -> tuple[Optional[int], str]:
-    """Triton's compiler can abort the whole process on TFLA's kernels (an LLVM assertion was seen on an
-    H100 with Triton 3.6), which no try/except catches: each shape is first run, forward and backward, in
-    a child process at its default chunk size, 128. Returns 128 if it ran (its compiled kernels are then in
-    Triton's cache), or None and why. After one failure TFLA is not tried again in this process."""
+def _tfla_form(module: str, name: str, chunk: int) -> Callable:
+    import importlib
+
+    fn = getattr(importlib.import_module("mlstm_kernels.torch.chunkwise." + module), name)
+
+    def run(q, k, v, i, f):
+        return fn(q, k, v, i, f, return_last_states=False, chunk_size=chunk, autocast_kernel_dtype=DTYPE)
+
+    return run
+
+
+def _tfla_that_runs(B, NH, S, D) -> tuple[Optional[str], Optional[Callable], str]:
+    """Triton's compiler can abort the whole process on TFLA's kernels, which no try/except catches: each form
+    (TFLA_FORMS, in order) is first run, forward and backward, in a child process at this shape. Returns the
+    first that ran (label, function; its compiled kernels are then in Triton's cache), or None and why each
+    failed. A form that failed is not tried again in this process."""
     import subprocess
     import sys
 
-    global _TFLA_FAILED
-    if _TFLA_FAILED:
-        return None, _TFLA_FAILED
-    why = ""
-    for chunk in (128,):
-        try:
-            done = subprocess.run([sys.executable, "-c", _TFLA_PROBE, str(B), str(NH), str(S), str(D), str(chunk)],
-                                  capture_output=True, text=True, timeout=120)
-        except subprocess.TimeoutExpired:
-            why = f"chunk {chunk}: no result in 120 s"
+    whys = []
+    for label, module, name, chunk in TFLA_FORMS:
+        if label in _TFLA_FAILED:
+            whys.append(f"{label}: {_TFLA_FAILED[label]}")
             continue
-        if done.returncode == 0:
-            return chunk, ""
-        lines = [line for line in done.stderr.splitlines() if line.strip()]
-        why = f"chunk {chunk}: exit {done.returncode}: {lines[-1][:150] if lines else ''}"
-    _TFLA_FAILED = "died in a child process: " + why
-    return None, _TFLA_FAILED
+        try:
+            done = subprocess.run([sys.executable, "-c", _TFLA_PROBE, module, name, str(B), str(NH), str(S), str(D),
+                                   str(chunk)], capture_output=True, text=True, timeout=150)
+            if done.returncode == 0:
+                return f"TFLA {label} {chunk}", _tfla_form(module, name, chunk), "; ".join(whys)
+            lines = [line for line in done.stderr.splitlines() if line.strip()]
+            _TFLA_FAILED[label] = f"exit {done.returncode}: {lines[-1][:120] if lines else ''}"
+        except subprocess.TimeoutExpired:
+            _TFLA_FAILED[label] = "no result in 150 s"
+        whys.append(f"{label}: {_TFLA_FAILED[label]}")
+    return None, None, "died in a child process: " + "; ".join(whys)
 
 
-_TFLA_FAILED = ""
+_TFLA_FAILED: dict[str, str] = {}
 
 
 def _inputs(B, NH, S, D, requires_grad):
@@ -112,14 +125,12 @@ def _pytorch_form(B, NH, S):
     return "PyTorch chunkwise", lambda q, k, v, i, f: reference.mlstm_chunkwise(q, k, v, i, f, chunk_size=256)
 
 
-def _variants(B, NH, S, tfla, tfla_chunk) -> dict[str, Optional[Callable]]:
+def _variants(B, NH, S, tfla_label: Optional[str], tfla: Optional[Callable]) -> dict[str, Optional[Callable]]:
     name, pytorch = _pytorch_form(B, NH, S)
     return {
         "SDPA causal": lambda q, k, v, i, f: F.scaled_dot_product_attention(q, k, v, is_causal=True),
         name: pytorch,
-        f"TFLA xl_chunk {tfla_chunk or ''}".strip(): (
-            None if tfla is None or tfla_chunk is None
-            else lambda q, k, v, i, f: tfla(q, k, v, i, f, chunk_size=tfla_chunk)),
+        tfla_label or "TFLA": tfla,
         "BEM kernels": lambda q, k, v, i, f: dispatch.mlstm(q, k, v, i, f),
     }
 
@@ -163,11 +174,11 @@ def _time_interleaved(fns: dict[str, Callable[[], object]], rounds: int = 3) -> 
 
 
 def bench_shape(B: int, NH: int, S: int, D: int, tfla, tfla_note: str) -> dict:
-    tfla_chunk, why = _tfla_chunk_that_runs(B, NH, S, D) if tfla is not None else (None, tfla_note)
+    label, tfla_fn, why = _tfla_that_runs(B, NH, S, D) if tfla is not None else (None, None, tfla_note)
     fwd_inputs = _inputs(B, NH, S, D, False)
     fb_inputs = _inputs(B, NH, S, D, True)
     dh = torch.randn(B, NH, S, D, device="cuda", dtype=DTYPE)
-    variants = _variants(B, NH, S, tfla, tfla_chunk)
+    variants = _variants(B, NH, S, label, tfla_fn)
 
     def forward(fn):
         def run():
@@ -186,6 +197,8 @@ def bench_shape(B: int, NH: int, S: int, D: int, tfla, tfla_note: str) -> dict:
     for name, fn in variants.items():
         if fn is None:
             fwd[name] = fb[name] = {"ms": None, "spread": 0.0, "note": why}
+    if tfla_fn is not None and why:  # an earlier form died: say so beside the one that ran
+        fwd[label]["note"] = "; ".join(n for n in (fwd[label]["note"], why) if n)
     torch.cuda.empty_cache()
     return {"shape": {"B": B, "NH": NH, "S": S, "D": D}, "forward": fwd, "forward_backward": fb,
             "flops": _flops(B, NH, S, D)}
