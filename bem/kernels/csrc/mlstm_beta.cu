@@ -50,12 +50,7 @@ template <typename T> cudaError_t launch(const MlstmBetaParams& p, cudaStream_t 
 
 cudaError_t launch_mlstm_beta(DType dtype, const MlstmBetaParams& p, cudaStream_t stream) {
   if (p.rows == 0) return cudaSuccess;
-  switch (dtype) {
-    case DType::kBFloat16: return launch<__nv_bfloat16>(p, stream);
-    case DType::kHalf: return launch<__half>(p, stream);
-    case DType::kFloat: return launch<float>(p, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return dispatch_dtype(dtype, [&](auto type) { return launch<decltype(type)>(p, stream); });
 }
 
 }  // namespace bem

@@ -313,6 +313,16 @@ __device__ __forceinline__ void chunk_gates(const MlstmShape& sh, const void* ig
   scan_chunk_gates<T>(load_chunk_gates<T>(sh, igate, fgate, bh, c), g, a, pm);
 }
 
+// launch(T{}) for the kernels' input dtype (a value of that type stands for it), or cudaErrorInvalidValue.
+template <typename Launch> cudaError_t dispatch_dtype(DType dtype, Launch&& launch) {
+  switch (dtype) {
+    case DType::kBFloat16: return launch(__nv_bfloat16{});
+    case DType::kHalf: return launch(__half{});
+    case DType::kFloat: return launch(float{});
+    default: return cudaErrorInvalidValue;
+  }
+}
+
 // max(|den|, exp(-m)): the stabilised denominator of h.
 template <typename T> __device__ __forceinline__ float normaliser(float den, float m) {
   return fmaxf(fabsf(den), wexp<T>(-m));

@@ -68,12 +68,7 @@ template <typename T> cudaError_t launch(const MlstmStatesParams& p, cudaStream_
 }  // namespace
 
 cudaError_t launch_mlstm_gate_scan(DType dtype, const MlstmStatesParams& p, cudaStream_t stream) {
-  switch (dtype) {
-    case DType::kBFloat16: return launch<__nv_bfloat16>(p, stream);
-    case DType::kHalf: return launch<__half>(p, stream);
-    case DType::kFloat: return launch<float>(p, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return dispatch_dtype(dtype, [&](auto type) { return launch<decltype(type)>(p, stream); });
 }
 
 }  // namespace bem
