@@ -81,27 +81,46 @@ def mlstm(q: Tensor, k: Tensor, v: Tensor, igate: Tensor, fgate: Tensor, initial
     return (h, (C, n, m)) if return_last_state else h
 
 
-def _direct_step(q: Tensor, state: State) -> bool:
-    """The extension can be called without the custom-op machinery (whose host cost per call is comparable
-    to the step kernel's time): no autograd wanted, no tracing, no autocast."""
-    return (not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cuda")
-            and all(t.dtype == torch.float32 and t.is_contiguous() for t in state))
+def _fast_step(q: Tensor, k: Tensor, v: Tensor, igate: Tensor, fgate: Tensor, state: State):
+    """The step kernel called straight through the extension for operands it takes as they are (contiguous, its
+    dtypes; its C++ checks refuse anything else), or None where the general path must run (it checks in
+    Python, casts, copies or takes the reference).
+    Decoding calls this once per mixer and token: the custom op's dispatch and the Python checks cost several
+    times the kernel's 4.6 µs. Not while tracing (the custom op is what compiles), under autocast (the general
+    path casts), with gradients wanted (the reference has them), or before the first-use check passed."""
+    if not q.is_cuda or torch.compiler.is_compiling() or torch.is_autocast_enabled("cuda"):
+        return None
+    operands = (q, k, v, igate, fgate, *state)
+    if not all(isinstance(t, Tensor) and t.is_contiguous() for t in operands):
+        return None  # views (a token sliced out of a sequence) are copied by the general path
+    dtype = q.dtype
+    if (dtype not in custom_ops.KERNEL_DTYPES or k.dtype != dtype or v.dtype != dtype or igate.dtype != fgate.dtype
+            or igate.dtype not in (dtype, torch.float32) or any(t.dtype != torch.float32 for t in state)):
+        return None  # cast by the general path
+    if torch.is_grad_enabled() and any(t.requires_grad for t in operands):
+        return None
+    ext = custom_ops.extension()
+    if ext is None or custom_ops.kernel_failure(q.device) is not None:
+        return None
+    try:
+        h, C, n, m = ext.mlstm_step(q, k, v, igate, fgate, *state)
+    except (ValueError, TypeError):
+        return None  # a bad operand (a shape, a device): the general path says which in Python
+    return h, (C, n, m)
 
 
 def mlstm_step(q: Tensor, k: Tensor, v: Tensor, igate: Tensor, fgate: Tensor, state: State,
                use_fused: bool = True) -> tuple[Tensor, State]:
     """One token per row: q, k (B, NH, DHQK), v (B, NH, DHV), igate, fgate (B, NH), state (C, n, m).
     Returns (h (B, NH, DHV) in q's dtype, the next state in float32 (float64 for float64 inputs))."""
+    if use_fused and isinstance(q, Tensor) and isinstance(state, (tuple, list)) and len(state) == 3:
+        fast = _fast_step(q, k, v, igate, fgate, state)
+        if fast is not None:
+            return fast
     checks.check_step(q, k, v, igate, fgate, state)
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, igate, fgate, *state))
     if wants_grad or mlstm_unavailable_reason(q, use_fused) is not None:
         return reference.mlstm_step(q, k, v, igate, fgate, tuple(state))
-    if _direct_step(q, state) and q.is_contiguous() and k.is_contiguous() and v.is_contiguous():
-        try:
-            h, C, n, m = custom_ops.extension().mlstm_step(q, k, v, igate, fgate, *state)
-            return h, (C, n, m)
-        except ValueError:
-            pass  # an operand the kernel does not take as it is: the path below casts and copies
     q, k, v, igate, fgate = _kernel_operands(q, k, v, igate, fgate)
     h, C, n, m = custom_ops.mlstm_step(q, k, v, igate, fgate, *_float_state(state))
     return h, (C, n, m)
