@@ -5,7 +5,7 @@
 #   bash scripts/gpu_fftconv.sh objects            compile the CUDA sources into .fftconv_objects/ here (nvcc
 #                                                  13, sm_90a): a run that finds that folder (carry it) only
 #                                                  compiles the bindings against torch and links the objects
-#   bash scripts/gpu_fftconv.sh [tests] [bench] [quick-bench]
+#   bash scripts/gpu_fftconv.sh [tests] [bench] [quick-bench] [kernel-times]
 set -o pipefail
 cd "$(dirname "$0")/.."
 NVCC_FLAGS=(-gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --use_fast_math -lineinfo -Xcompiler -fPIC
@@ -67,6 +67,7 @@ for what in "${@:-tests bench}"; do
       bench) step bench "${BENCH_LIMIT:-240}" python3 -m bem.kernels.bench --fftconv --json "$OUT/bench.json" ;;
       quick-bench) step bench "${BENCH_LIMIT:-240}" python3 -m bem.kernels.bench --fftconv --quick \
           --json "$OUT/bench.json" ;;
+      kernel-times) step kernel_times 150 env PYTHONPATH=. python3 scripts/fftconv_kernel_times.py ;;
       *) echo "unknown step $one" >&2; exit 2 ;;
     esac
   done

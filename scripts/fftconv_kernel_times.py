@@ -1,0 +1,62 @@
+"""Where the fftconv op's time goes: each CUDA kernel's device time per call, from torch.profiler, forward and
+forward+backward (bf16 u and k, float32 D, both gates), at the benchmark's shapes.
+
+    python3 scripts/fftconv_kernel_times.py [--shapes 8x768x8192,1x768x1048576] [--calls 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bem.kernels.fftconv import dispatch
+
+
+def kernel_times(fn, calls: int) -> dict[str, float]:
+    """Device µs per call of each kernel name that `fn` launches."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    per_name: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[event.name[:100]] += event.device_time / calls
+    return dict(per_name)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="8x768x8192,8x768x1024,1x768x1048576")
+    parser.add_argument("--calls", type=int, default=10)
+    args = parser.parse_args()
+    for spec in args.shapes.split(","):
+        B, H, L = (int(x) for x in spec.split("x"))
+        u = torch.randn(B, H, L, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = (torch.randn(H, L, device="cuda") / L**0.5).to(torch.bfloat16).requires_grad_()
+        D = torch.randn(H, device="cuda", requires_grad=True)
+        pre, post = (torch.randn(B, H, L, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        dy = torch.randn_like(u)
+
+        def fwd():
+            with torch.no_grad():
+                dispatch.fftconv(u, k, D, pre, post)
+
+        def fwd_bwd():
+            torch.autograd.grad(dispatch.fftconv(u, k, D, pre, post), (u, k, D, pre, post), dy)
+
+        for label, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+            times = kernel_times(fn, args.calls)
+            print(f"== {spec} {label}: {sum(times.values()):.1f} us of kernels per call")
+            for name, us in sorted(times.items(), key=lambda kv: -kv[1])[:12]:
+                print(f"   {us:9.1f} us  {name}")
+
+
+if __name__ == "__main__":
+    main()
