@@ -31,7 +31,8 @@ struct MlstmShape {
 // m_states[0..NC]) and the last state (C_out, n_out, m_out), starting from (C_in, n_in, m_in) or zeros.
 // Reverse: keys = Q, values = dH, from the last chunk back; C_states / n_states get the gradient of the
 // state after each chunk, C_out / n_out that of the initial state, starting from the gradient of the
-// last state (C_in, n_in) or zeros; reads m_states, m_tok, den_tok and beta.
+// last state (C_in, n_in) or zeros. The gate scan (same params, launched first) reads the gates and, in reverse,
+// m_states, m_tok, den_tok and beta; the pass reads what it wrote (a_tok and chunk_gm, or w_tok, wn_tok, decay).
 struct MlstmStatesParams {
   MlstmShape shape;
   bool reverse;
