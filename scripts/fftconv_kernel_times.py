@@ -7,28 +7,11 @@ forward+backward (bf16 u and k, float32 D, both gates), at the benchmark's shape
 from __future__ import annotations
 
 import argparse
-from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from bem.kernels.fftconv import dispatch
-
-
-def kernel_times(fn, calls: int) -> dict[str, float]:
-    """Device µs per call of each kernel name that `fn` launches."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    per_name: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            per_name[event.name[:100]] += event.device_time / calls
-    return dict(per_name)
+from profiled_kernels import kernel_times
 
 
 def main() -> None:

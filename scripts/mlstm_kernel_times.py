@@ -12,9 +12,9 @@ from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
 
 from bem.kernels.mlstm import custom_ops, dispatch
+from profiled_kernels import kernel_times
 
 DEFAULT_SHAPES = "8x16x2048x64,4x8x8192x128,1x8x65536x128"
 
@@ -24,22 +24,6 @@ def _inputs(B: int, NH: int, S: int, D: int) -> list[torch.Tensor]:
     i = (torch.rand(B, NH, S, device="cuda") * 8 - 4).to(torch.bfloat16).requires_grad_()
     f = (torch.rand(B, NH, S, device="cuda") * 6 + 2).to(torch.bfloat16).requires_grad_()
     return [q, k, v, i, f]
-
-
-def kernel_times(fn, calls: int) -> dict[str, float]:
-    """Device µs per call of each kernel name that `fn` launches."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    per_name: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            per_name[event.name[:90]] += event.device_time / calls
-    return dict(per_name)
 
 
 def width_sweep(shapes: str) -> None:
@@ -103,7 +87,7 @@ def main() -> None:
             torch.cuda.synchronize()
             continue
         for label, fn in (("SDPA causal fwd", sdpa), ("mLSTM fwd", fwd), ("mLSTM fwd+bwd", fwd_bwd)):
-            times = kernel_times(fn, args.calls)
+            times = kernel_times(fn, args.calls, name_width=90)
             total = sum(times.values())
             print(f"== {B}x{NH}x{S}x{D} {label}: {total:.1f} us of kernels per call")
             for name, us in sorted(times.items(), key=lambda kv: -kv[1]):

@@ -16,7 +16,6 @@
 
 #include <cooperative_groups.h>
 
-
 #include "common.cuh"
 #include "launchers.h"
 

@@ -60,13 +60,13 @@ torch.cuda.synchronize()
 """
 
 
-def _load_tfla():
-    """Whether mlstm_kernels imports: (True, None), or (None, why not)."""
+def _tfla_missing() -> Optional[str]:
+    """None when mlstm_kernels imports, else why not."""
     try:
         import mlstm_kernels.torch.chunkwise  # noqa: F401
     except Exception as error:  # not installed, or its import fails on this Triton
-        return None, f"{type(error).__name__}: {error}"
-    return True, None
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
 def _tfla_form(module: str, name: str, chunk: int) -> Callable:
@@ -173,8 +173,9 @@ def _time_interleaved(fns: dict[str, Callable[[], object]], rounds: int = 3) -> 
     return out
 
 
-def bench_shape(B: int, NH: int, S: int, D: int, tfla, tfla_note: str) -> dict:
-    label, tfla_fn, why = _tfla_that_runs(B, NH, S, D) if tfla is not None else (None, None, tfla_note)
+def bench_shape(B: int, NH: int, S: int, D: int, tfla_missing: Optional[str]) -> dict:
+    """One shape's table; TFLA is probed unless `tfla_missing` says why it is left out."""
+    label, tfla_fn, why = _tfla_that_runs(B, NH, S, D) if tfla_missing is None else (None, None, tfla_missing)
     fwd_inputs = _inputs(B, NH, S, D, False)
     fb_inputs = _inputs(B, NH, S, D, True)
     dh = torch.randn(B, NH, S, D, device="cuda", dtype=DTYPE)
@@ -288,12 +289,12 @@ def main(argv: list[str] | None = None) -> None:
     header = (f"{props.name}, torch {torch.__version__}, bf16; matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s, "
               f"copy {ceil['copy_GBps']:.0f} GB/s (read+write)")
     print(header, flush=True)
-    tfla, why = (None, "left out (--no-tfla)") if args.no_tfla else _load_tfla()
-    if tfla is None:
+    why = "left out (--no-tfla)" if args.no_tfla else _tfla_missing()
+    if why is not None:
         print(f"TFLA not importable: {why}", flush=True)
     results = []
     for B, NH, S, D in SHAPES_QUICK if args.quick else SHAPES:
-        result = bench_shape(B, NH, S, D, tfla, why)
+        result = bench_shape(B, NH, S, D, why)
         results.append(result)
         print(format_table(result, ceil["bf16_TFLOPs"]), flush=True)
     step = bench_step()
