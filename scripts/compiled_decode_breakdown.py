@@ -28,7 +28,7 @@ from bem.profiling.models import build_variants, load_base_model
 from bem.profiling.workloads import generation, random_batches
 
 KINDS = (  # first match wins
-    ("bem decode linear", re.compile(r"decode_(stream|linear|project|columns)")),
+    ("bem decode linear", re.compile(r"decode_(stream|linear|project|columns|rows)")),
     ("bem other", re.compile(r"bem|lowrank|scale_codes|gemm_update")),
     ("gemm / gemv", re.compile(r"gemv|gemm|nvjet|cutlass|xmma|cublas|splitK", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|sdpa|efficient", re.I)),

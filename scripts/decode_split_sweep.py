@@ -1,12 +1,13 @@
 """The BEM linear at decode sizes on small matrices: the streaming decode kernel at every split of K (cluster
-size), the tiles kernel and the default dispatch, against `F.linear`; CUDA-graph GPU time per call, interleaved.
+size), the row-split kernel (K up to 1536), the tiles kernel and the default dispatch, against
+`F.linear`; CUDA-graph GPU time per call, interleaved.
 
     PYTHONPATH=. python scripts/decode_split_sweep.py [--shapes 1x576x576x8,...] [--conv1d]
 
-The default shapes are SmolLM-135M's and Llama-1B's at 1 and 16 tokens. The default dispatch splits K over
-the largest cluster that keeps at least 256 columns of K a block (`decode_stream_split`): at K = 576 that is 2,
-so a 576 x 576 matrix runs on 10 blocks of 128 rows. The question this answers: would more, shorter blocks
-(or the tiles kernel) do better where the matrix is small?
+The default shapes are SmolLM-135M's, Qwen2-1.5B's, Llama-1B's and Phi-3-mini's at 1 and 16 tokens. Where K is
+at most 1536 and N at most 4096 the default dispatch takes the row-split kernel; above, the streaming kernel on the largest cluster
+that keeps at least 64 columns of K a block and runs in one wave (`decode_stream_split`). The question this
+answers: which kernel, and which split, is fastest where the matrix is small?
 
 With --conv1d the weights are stored (K, N) as GPT-2's Conv1D holds them (default shapes: GPT-2's), and the
 `k/s` columns are the transposed-weight kernel at each cluster size.
@@ -22,13 +23,15 @@ import torch.nn.functional as F
 from bem.kernels import bench, custom_ops, ops
 
 SCALING = 0.5
-STREAM, TILES = 1, 5  # linear modes: the streaming decode kernel, the tiles decode kernel
+STREAM, TILES, ROWS = 1, 5, 8  # linear modes: the streaming, tiles and row-split decode kernels
 
 
 def default_shapes() -> list[tuple[int, int, int, int]]:
     smollm = [(576, 576), (576, 192), (576, 1536), (1536, 576)]
+    qwen2 = [(1536, 1536), (1536, 256), (1536, 8960), (8960, 1536)]
     llama = [(2048, 2048), (2048, 512), (2048, 8192), (8192, 2048)]
-    return [(M, K, N, 8) for M in (1, 16) for K, N in smollm + llama]
+    phi3 = [(3072, 9216), (3072, 3072), (3072, 16384), (8192, 3072)]
+    return [(M, K, N, 8) for M in (1, 16) for K, N in smollm + qwen2 + llama + phi3]
 
 
 def conv1d_shapes() -> list[tuple[int, int, int, int]]:
@@ -57,6 +60,8 @@ def sweep_row(M: int, K: int, N: int, r: int, l2_bytes: int, conv1d: bool) -> di
     }
     for split in (1, 2, 4, 8):
         variants[f"stream k/{split}"] = linear(STREAM, split)
+    if not conv1d and K <= 1536:
+        variants["rows"] = linear(ROWS)
     usable = {}
     for name, fn in variants.items():  # a split the kernel refuses at this shape is left out
         try:
@@ -79,7 +84,7 @@ def main() -> None:
                                                                       else default_shapes())
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
     bench.warm_up()
-    names = ["default", "tiles", "stream k/1", "stream k/2", "stream k/4", "stream k/8"]
+    names = ["default", "tiles", "stream k/1", "stream k/2", "stream k/4", "stream k/8", "rows"]
     print(f"{'M x K x N x r':<20}{'F.linear µs':>12}" + "".join(f"{n:>12}" for n in names))
     for M, K, N, r in shapes:
         times = sweep_row(M, K, N, r, l2_bytes, args.conv1d)

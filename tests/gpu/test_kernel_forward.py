@@ -97,21 +97,22 @@ def test_decode_stream_kernel_matches_float64(dtype, split_k, M, K, N, r):
     decode_calls_agree(x, W, None if r == 64 else b, V, c, U, split_k)
 
 
-def decode_calls_agree(x, W, bias, V, c, U, split_k) -> list[str]:
-    """Mode 1 at `split_k` against float64 (poisoned output memory), twice with identical bits (P too), and
-    the inference call (no P) identical to the first; returns the kernel names of the first call."""
+def decode_calls_agree(x, W, bias, V, c, U, split_k, mode: int = 1) -> list[str]:
+    """Linear mode `mode` (1: the decode dispatch) at `split_k` against float64 (poisoned output memory), twice
+    with identical bits (P too), and the inference call (no P) identical to the first; returns the kernel
+    names of the first call."""
     ref = linear_ref64(x, W, bias, V, c, U, 1.25)
     torch_err = rel_err(reference.bem_linear(x, W, bias, V, c, U, 1.25), ref)
     poison_allocator(x.device, x.shape[0] * W.shape[0])
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        first, P1 = custom_ops._C.linear_forward(x, W, bias, V, c, U, 1.25, 1, split_k)
+        first, P1 = custom_ops._C.linear_forward(x, W, bias, V, c, U, 1.25, mode, split_k)
         torch.cuda.synchronize()
-    second, P2 = custom_ops._C.linear_forward(x, W, bias, V, c, U, 1.25, 1, split_k)
+    second, P2 = custom_ops._C.linear_forward(x, W, bias, V, c, U, 1.25, mode, split_k)
     err = rel_err(first, ref)
     assert err <= bound(torch_err, x.dtype), f"kernel {err:.3g} vs torch {torch_err:.3g}"
     assert torch.equal(first, second) and torch.equal(P1, P2)
     assert rel_err(P1, x.double() @ V.double()) < 1e-2
-    y_inference, _ = custom_ops._C.linear_forward(x, W, bias, V, c, U, 1.25, 1, split_k, False)
+    y_inference, _ = custom_ops._C.linear_forward(x, W, bias, V, c, U, 1.25, mode, split_k, False)
     assert torch.equal(y_inference, first)
     return [event.name for event in prof.events()]
 
@@ -136,6 +137,70 @@ def test_transposed_decode_kernel_matches_float64(dtype, split_k, M, K, N, r):
     x, W, b, V, c, U = operands(M, K, N, r, dtype, codes=r != 13, seed=seed)
     names = decode_calls_agree(x, conv1d_layout(W), None if r == 33 else b, V, c, U, split_k)
     assert any("decode_columns_kernel" in name for name in names), names
+
+
+@hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,K,N", [(1, 576, 576), (5, 1016, 1000), (8, 520, 130), (9, 264, 77), (16, 1024, 257),
+                                   (3, 8, 5), (1, 768, 48), (13, 1024, 4100), (2, 256, 16), (16, 512, 3),
+                                   (1, 1536, 576), (16, 1528, 1000), (7, 1032, 33)])
+@pytest.mark.parametrize("r", [1, 8, 13, 24, 64])
+def test_decode_rows_kernel_matches_float64(dtype, M, K, N, r):
+    """Mode 8, the row-split decode kernel (16 rows a block over all of K, no clusters): odd N, K from 8 to
+    1536 (two, four and six chunks a warp), odd ranks (up to 8 its X V shares x's fragments, above not),
+    with and without bias and codes; two calls give identical bits (fixed-order sums); the profile names
+    it."""
+    seed = stable_seed(M, K, N, r, str(dtype), "rows")
+    x, W, b, V, c, U = operands(M, K, N, r, dtype, codes=r != 13, seed=seed)
+    names = decode_calls_agree(x, W, None if r == 24 else b, V, c, U, 0, mode=8)
+    assert any("decode_rows_kernel" in name for name in names), names
+
+
+@hopper
+@pytest.mark.parametrize("M,K,N,rows", [(1, 576, 576, True), (16, 576, 1536, True), (1, 1536, 576, True),
+                                        (1, 576, 8192, False), (1, 2048, 2048, False)])
+def test_decode_dispatch_takes_the_row_kernel_for_small_matrices(M, K, N, rows):
+    """Mode 1 without a split: the row-split kernel where K is at most 1536 and N at most 4096 (every linear
+    of SmolLM-135M), the streaming kernel otherwise; both exact."""
+    x, W, b, V, c, U = operands(M, K, N, 8, torch.bfloat16, codes=True, seed=stable_seed(M, K, N, "dispatch"))
+    names = decode_calls_agree(x, W, b, V, c, U, 0)
+    assert any("decode_rows_kernel" in n for n in names) == rows, names
+    assert any("decode_stream_kernel" in n for n in names) == (not rows), names
+
+
+@hopper
+@pytest.mark.parametrize("graph", [False, True])
+def test_decode_rows_reads_what_the_kernel_before_it_wrote(graph):
+    """The row-split kernel may start before the kernel ahead of it on the stream has finished (it only
+    prefetches W into L2 until that kernel is done). A copy into x, W, the bias, V, the codes or U right
+    before the call is seen by it, eagerly and inside a CUDA graph (where the copy is the node before it)."""
+    M, K, N, r = 4, 1536, 576, 8
+    first = operands(M, K, N, r, torch.bfloat16, codes=True, seed=5)
+    fresh = operands(M, K, N, r, torch.bfloat16, codes=True, seed=6)
+    live = [t.clone() for t in first]
+
+    def call():
+        return custom_ops._C.linear_forward(*live, 1.25, 8, 0, False)[0]
+
+    call()
+    torch.cuda.synchronize()
+    for i in range(6):  # each operand in turn takes its fresh value just before the call
+        for t, value in zip(live, first):
+            t.copy_(value)
+        if graph:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                live[i].copy_(fresh[i])
+                out = call()
+            g.replay()
+            y = out.clone()
+        else:
+            live[i].copy_(fresh[i])
+            y = call()
+        now = [fresh[j] if j == i else first[j] for j in range(6)]
+        ref = linear_ref64(*now, 1.25)
+        torch_err = rel_err(reference.bem_linear(*now, 1.25), ref)
+        assert rel_err(y, ref) <= bound(torch_err, torch.bfloat16), f"operand {i} (graph={graph})"
 
 
 @hopper

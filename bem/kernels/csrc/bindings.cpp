@@ -35,6 +35,7 @@ enum LinearMode : int64_t {
   kDecodeTiles = 5,      // the tiled split-K decode kernel (M <= 64, any layout, sm_80+)
   kGemmUpdate = 6,       // one tensor-core GEMM with the update inside (gemm_update.cu)
   kGemmUpdateProjected = 7,  // cuBLAS P = x V, s P ⊙ c (scale_codes.cu), then that GEMM adds (s P ⊙ c) U^T
+  kDecodeRows = 8,       // the row-split decode kernel (decode_rows.cu: M <= 16, sm_90, no clusters)
 };
 // Chosen by measurement at prefill sizes (docs/kernels.md).
 constexpr LinearMode kPrefillMode = kUpdateThenGemm;
@@ -252,13 +253,13 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
            : choice == GemmUpdateChoice::kProjected ? kGemmUpdateProjected
                                                     : kPrefillMode;
   }
-  BEM_CHECK(mode >= kDecode && mode <= kGemmUpdateProjected, "unknown linear mode ", mode);
+  BEM_CHECK(mode >= kDecode && mode <= kDecodeRows, "unknown linear mode ", mode);
   BEM_CHECK(gemm_tile_n == 0 || gemm_tile_n == 128 || gemm_tile_n == 256,
             "gemm_tile_n must be 0 (chosen by shape), 128 or 256, got ", gemm_tile_n);
   if (!tensor_core_dtype(x) || M == 0) mode = kGemmThenUpdate;  // float/double: cuBLAS + simple kernels
   const Tensor* bias_ptr = bias.has_value() ? &*bias : nullptr;
 
-  if (mode == kDecode || mode == kDecodeTiles) {
+  if (mode == kDecode || mode == kDecodeTiles || mode == kDecodeRows) {
     BEM_CHECK(fits_decode, "the decode kernel takes 1..", kDecodeMaxTokens,
                 " float16/bfloat16 tokens, got M = ", M, " of ", x.scalar_type());
     DecodeArgs args{};
@@ -279,9 +280,22 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
     Tensor P = need_p ? at::empty({M, r}, x.options().dtype(at::kFloat)) : Tensor();
     args.Y = Y.data_ptr();
     args.P = need_p ? P.data_ptr<float>() : nullptr;
+    const int cc = cc_major(x.get_device());
+    if (mode == kDecodeRows) {
+      BEM_CHECK(decode_rows_fits(args, cc), "the row-split decode kernel takes a row-major weight, 1..",
+                kDecodeStreamMaxTokens, " tokens, ranks 1..", kDecodeStreamMaxRank, ", K a multiple of 8 up to ",
+                kDecodeRowsMaxK, " and 16-byte aligned x and weight on a compute capability 9.0 GPU");
+      BEM_CHECK(split_k == 0, "the row-split decode kernel does not split K (split_k = 0), got split_k = ", split_k);
+    }
+    // Small matrices: the row-split kernel (no clusters), where its rule takes the shape.
+    if ((mode == kDecodeRows || (mode == kDecode && split_k == 0 && decode_rows_takes((int)N, (int)K))) &&
+        decode_rows_fits(args, cc)) {
+      C10_CUDA_CHECK(launch_decode_rows(dtype_of(x), args, stream_now()));
+      return {Y, P};
+    }
     // The streaming kernel measured faster than the tiles kernel at every rank it takes (up to 64: at
     // M = 1, 4096², 1.53x against 1.98x F.linear).
-    if (mode == kDecode && decode_stream_fits(args, cc_major(x.get_device()))) {
+    if (mode == kDecode && decode_stream_fits(args, cc)) {
       args.split_k = split_k > 0 ? (int)split_k : decode_stream_split((int)N, (int)K, x.get_device());
       BEM_CHECK(args.split_k <= kDecodeStreamMaxCluster && (args.split_k & (args.split_k - 1)) == 0,
                   "the streaming decode kernel splits K over 1, 2, 4 or 8 blocks, got split_k = ", split_k);
@@ -294,7 +308,7 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
     // A transposed weight (GPT-2's Conv1D) at up to 4 tokens: the CUDA-core streaming kernel. H100, x
     // F.linear at GPT-2's four shapes, M = 1: 1.17-1.50 against the tiles kernel's 1.32-2.37; M = 4:
     // 1.61-1.83 against 1.41-2.58; at M = 8 the tiles kernel was as fast or faster, and takes it.
-    if (mode == kDecode && decode_columns_fits(args, cc_major(x.get_device()))) {
+    if (mode == kDecode && decode_columns_fits(args, cc)) {
       args.split_k = split_k > 0 ? (int)split_k : decode_columns_split((int)M, (int)N, (int)K, (int)r, x.get_device());
       BEM_CHECK(args.split_k <= kDecodeStreamMaxCluster && (args.split_k & (args.split_k - 1)) == 0,
                 "the transposed-weight decode kernel splits K over 1, 2, 4 or 8 blocks, got split_k = ", split_k);

@@ -1,7 +1,7 @@
 // The X V half of the streaming decode kernel (decode_stream.cu): the geometry both launches share,
 // one warp's X V over a slice of K (SliceProjection, which the stream's in-block form uses too) and the
 // projection launch (decode_project_kernel) that computes Pc = s (X V) ⊙ c once for the stream launched
-// after it. Included by decode_stream.cu only.
+// after it. Included by decode_stream.cu and decode_rows.cu.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -85,12 +85,18 @@ struct SliceProjection {
     const bool in = live && q < nchunks && k + 8 * c < k_end;
     a0 = in && x_ok0 ? ld_cached16(x0 + k) : zero4();
     a1 = NT == 2 && in && x_ok1 ? ld_cached16(x1 + k) : zero4();  // NT == 1: M <= 8, no row g + 8
+    load_v(q, v);
+  }
+
+  // V's part of chunk q alone, for a caller that holds the chunk's x fragments already.
+  __device__ __forceinline__ void load_v(int q, uint4& v) const {
+    const int k = k_begin + q * kChunk;
     if (v_rows) {
       const bool row_in = live && q < nchunks && k + lane < k_end;
       v = row_in ? ld_cached16(V + (size_t)(k + lane) * r + 8 * jt) : zero4();
       return;
     }
-    const bool v_in = in && j < r;
+    const bool v_in = live && q < nchunks && k + 8 * c < k_end && j < r;
     const T* vp = V + (v_in ? (size_t)(k + 8 * c) * r + j : 0);
     T e[8];
 #pragma unroll

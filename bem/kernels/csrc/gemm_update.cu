@@ -351,9 +351,13 @@ long long gemm_update_tiles(int M, int N, int tile_n) {
   return (long long)((M + kBM - 1) / kBM) * ((N + tile_n - 1) / tile_n);
 }
 
+bool gemm_update_fills_wide(int M, int N, int num_sms) {
+  return 2 * gemm_update_tiles(M, N, 256) >= num_sms;
+}
+
 int gemm_update_tile_n(int M, int N, int num_sms) {
+  if (!gemm_update_fills_wide(M, N, num_sms)) return 128;
   const long long wide = gemm_update_tiles(M, N, 256), narrow = gemm_update_tiles(M, N, 128);
-  if (2 * wide < num_sms) return 128;
   // The persistent grid runs whole waves of tiles, and a 256-column tile takes about 1.7 times a 128-column
   // one: take the width with fewer such units. Fitted on an H100 (scripts/linear_mode_sweep.py, r = 8, x
   // F.linear, 256 / 128 columns): 192 tiles of 256 (1.45 waves) lost at 4096 x 1536² 1.31 / 1.22, 4096 x

@@ -120,7 +120,7 @@ GemmUpdateChoice gemm_update_choice(const Tensor& x, const Tensor& weight, const
   const int64_t M = x.size(0), K = x.size(1), N = U.size(0), r = V.size(1);
   if (!gemm_update_takes(x, weight, bias, V, U) || !sm90a_runs(x.get_device())) return GemmUpdateChoice::kNone;
   const int sms = num_sms(x.get_device());
-  const bool wide = 2 * gemm_update_tiles((int)M, (int)N, 256) >= sms;  // enough tiles, whichever width runs
+  const bool wide = gemm_update_fills_wide((int)M, (int)N, sms);  // enough tiles, whichever width runs
   const bool narrow = !wide && r <= kNarrowMaxRank && K <= kNarrowMaxK &&
                       3 * gemm_update_tiles((int)M, (int)N, 128) >= 2LL * sms;
   if ((wide || narrow) && K * N <= gemm_update_max_kn(r)) return GemmUpdateChoice::kInside;

@@ -121,6 +121,14 @@ int decode_stream_split(int N, int K, int device);
 bool decode_stream_projects_first(const DecodeArgs& args);  // after split_k and k_per_split are set
 cudaError_t launch_decode_stream(DType dtype, const DecodeArgs& args, cudaStream_t stream);
 
+// The row-split decode kernel (decode_rows.cu; sm_90, the streaming kernel's operand limits and K up to
+// kDecodeRowsMaxK, no clusters): a block owns 16 rows of W over all of K. decode_rows_takes says where the
+// decode dispatch prefers it to the streaming kernel.
+constexpr int kDecodeRowsMaxK = 1536;
+bool decode_rows_fits(const DecodeArgs& args, int cc_major);
+bool decode_rows_takes(int N, int K);
+cudaError_t launch_decode_rows(DType dtype, const DecodeArgs& args, cudaStream_t stream);
+
 // The decode kernel for a weight stored transposed (W^T row-major, K x N: GPT-2's Conv1D) on CUDA cores
 // (sm_90, M <= kDecodeColumnsMaxTokens, r <= kDecodeColumnsMaxRank, N % 8 == 0, W 16-byte aligned), one
 // launch: split_k is its thread-block cluster size (1, 2, 4 or 8), k_per_split any length that covers K.
@@ -177,6 +185,8 @@ struct GemmUpdateArgs {
 constexpr int kGemmUpdateMaxRank = 64;
 bool gemm_update_fits(const GemmUpdateArgs& args);
 long long gemm_update_tiles(int M, int N, int tile_n);  // the kernel's output tiles of 128 x tile_n
+// Whether 256-column tiles number at least half the multiprocessors (enough tiles, whichever width runs).
+bool gemm_update_fills_wide(int M, int N, int num_sms);
 // 128-column tiles where 256-column ones would number less than half the multiprocessors, or where they
 // fill the grid's waves better (a 256-column tile costing about 1.7 of them); else 256.
 int gemm_update_tile_n(int M, int N, int num_sms);
