@@ -1,2 +1,2 @@
-export SWEEP_SHAPES=1x576x576x8,1x576x192x8,1x576x1536x8,1x1536x576x8,1x1536x1536x8,1x1536x256x8,1x1536x4096x8,1x1024x1024x8,1x1024x4096x8,1x1280x1280x8,16x576x576x8,16x1536x576x8,16x1536x1536x8,16x1536x256x8,4x1536x1536x8,1x1536x1536x16
-BREAKDOWN_BATCH=1 BREAKDOWN_CONFIGS="smollm_135m qwen2_1.5b" bash scripts/gpu_validate.sh decode-split-sweep errors decode-tests compiled-breakdown
+export SWEEP_SHAPES=1x576x576x8,1x1536x1536x8,1x1536x8960x8,1x8960x1536x8,1x2048x2048x8,1x2048x8192x8,1x8192x2048x8,1x4096x4096x8,16x4096x4096x8,16x2048x2048x8
+TAIL=6 bash scripts/gpu_validate.sh decode-split-sweep gpu-tests-isolated errors

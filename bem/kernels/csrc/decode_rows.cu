@@ -28,10 +28,6 @@ namespace {
 constexpr int kRows = 16;       // rows of W a block
 constexpr int kMaxRank = kDecodeStreamMaxRank;
 
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
-}
-
 // NT: 8-token tiles (1: M <= 8, 2: M <= 16); CH: chunks of 32 columns a warp at most (K <= 256 CH).
 template <typename T, int NT, int CH>
 __global__ void __launch_bounds__(kThreads) decode_rows_kernel(DecodeArgs p) {
