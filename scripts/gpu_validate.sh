@@ -4,7 +4,7 @@
 # Usage: bash scripts/gpu_validate.sh [probe] [errors] [kernel-tests] [gpu-tests] [gpu-tests-isolated]
 #        [mixer-tests] [mixer-errors]
 #        [fftconv-bench] [mlstm-bench] [mlstm-tests] [training-tests] [sweep] [profile] [train] [train-sweep] [breakdown]
-#        [prefill-breakdown] [compiled-breakdown] [controller-profile] [host-cost] [host-cost-ranks] [gemm-tests] [decode-tests] [train-repeat-probe] [inference-tests] [eager-sweep]
+#        [prefill-breakdown] [compiled-breakdown] [controller-profile] [host-cost] [host-cost-ranks] [gemm-tests] [decode-tests] [train-repeat-probe] [inference-tests] [eager-sweep] [compiled-sweep]
 #        [bench] [bench-shapes] [mode-sweep] [conv1d-sweep] [decode-split-sweep] [conv1d-split-sweep] [backward-sweep] [sass] [ncu] [cpu-tests]   (bench-shapes reads
 #        BENCH_SHAPES, e.g. 1x4096x4096x8,...; the sweeps read SWEEP_SHAPES the same way, or sweep their
 #        default shapes; prefill-breakdown reads BREAKDOWN_MODEL: llama-1b or gpt2; sweep reads SWEEP_CONFIGS,
@@ -95,6 +95,21 @@ for what in "$@"; do
         paths+=("/tmp/eager_configs/profile_$name.yaml")
       done
       step eager_sweep ${SWEEP_LIMIT:-540} python3 profile.py --sweep "$(IFS=,; echo "${paths[*]}")" --output-dir "$OUT" ;;
+    # the compiled-decoding settings only (no prefill, eager decoding or training; at most
+    # COMPILED_MAX_SECONDS of timed repeats a setting): copies of the configs named in SWEEP_CONFIGS
+    compiled-sweep) mkdir -p /tmp/compiled_configs && paths=()
+      for name in ${SWEEP_CONFIGS//,/ }; do
+        python3 -c 'import sys, yaml
+name, seconds = sys.argv[1], float(sys.argv[2])
+config = yaml.safe_load(open(f"configs/profile_{name}.yaml"))
+config["prefill"]["shapes"], config["train"]["enabled"] = [], False
+config["decode"].update(eager=False, compiled=True)
+config["timing"]["max_seconds"] = seconds
+yaml.safe_dump(config, open(f"/tmp/compiled_configs/profile_{name}.yaml", "w"), sort_keys=False)' \
+          "$name" "${COMPILED_MAX_SECONDS:-10.0}"
+        paths+=("/tmp/compiled_configs/profile_$name.yaml")
+      done
+      step compiled_sweep ${SWEEP_LIMIT:-540} python3 profile.py --sweep "$(IFS=,; echo "${paths[*]}")" --output-dir "$OUT" ;;
     profile) step profile 300 python3 profile.py --config configs/profile_llama_1b.yaml --output-dir "$OUT" ;;
     train) step train 300 python3 benchmarks/train_throughput.py --config configs/profile_llama_1b.yaml \
         --json "$OUT/train.json" ;;

@@ -173,10 +173,10 @@ def test_decode_dispatch_takes_the_row_kernel_for_small_matrices(M, K, N, rows):
 @pytest.mark.parametrize("K,N,mode,kernel", [(1536, 576, 8, "decode_rows_kernel"),
                                              (4096, 4096, 1, "decode_stream_kernel")])
 def test_decode_kernels_read_what_the_kernel_before_them_wrote(graph, K, N, mode, kernel):
-    """The row-split kernel and the streaming kernel's in-block form may start before the kernel ahead of
-    them on the stream has finished (they only prefetch W into L2 until it is done). A copy into x, W, the
-    bias, V, the codes or U right before the call is seen, eagerly and inside a CUDA graph (where the copy
-    is the node before it)."""
+    """The row-split kernel may start before the kernel ahead of it on the stream has finished (it only
+    prefetches W into L2 until that is done; the streaming kernel's in-block form, beside it, starts in
+    order). A copy into x, W, the bias, V, the codes or U right before the call is seen, eagerly and
+    inside a CUDA graph (where the copy is the node before it)."""
     M, r = 4, 8
     first = operands(M, K, N, r, torch.bfloat16, codes=True, seed=5)
     fresh = operands(M, K, N, r, torch.bfloat16, codes=True, seed=6)

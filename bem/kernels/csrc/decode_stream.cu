@@ -155,18 +155,6 @@ __global__ void __launch_bounds__(kThreads, 3) decode_stream_kernel(DecodeArgs p
   };
 
   if constexpr (OWN) {
-    // Launched to start before the previous kernel has finished (programmatic dependent launch): until
-    // that kernel is done, only warm L2 with the lines of W this thread's ring copies first (L2 is
-    // coherent: a prefetch of a line that kernel still writes is harmless, an early copy would not be;
-    // and only the first chunks, so that a matrix larger than L2 is not read twice).
-    for (int q = 0; q < kStages - 1 && q < nchunks; ++q) {
-      const int k = k_begin + q * kChunk;
-      if (k + 8 * c < k_end) {
-        if (w_ok0) prefetch_l2(w0 + k);
-        if (w_ok1) prefetch_l2(w1 + k);
-      }
-    }
-    wait_for_prerequisite();
     // ---- The update's share first: s ((X V)_slice ⊙ c) U^T over this block's slice ----
     float* zpart = reinterpret_cast<float*>(smem + kZpartOffset);
     float* zb = reinterpret_cast<float*>(smem + kZbOffset);  // this block's partial X V (M x 16)
@@ -277,10 +265,8 @@ __global__ void __launch_bounds__(kThreads, 3) decode_stream_kernel(DecodeArgs p
 #endif
 }
 
-// Both forms are programmatic dependent launches: the in-block form waits for the previous kernel before
-// its first read, the other for the projection before it reads Pc (the projection writes nothing else).
 cudaLaunchConfig_t stream_config(const DecodeArgs& a, cudaLaunchAttribute* attribute, cudaStream_t stream,
-                                 int smem_bytes, bool dependent) {
+                                 int smem_bytes, bool after_projection) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3((a.N + kRows - 1) / kRows, a.split_k, 1);
   config.blockDim = dim3(kThreads, 1, 1);
@@ -293,7 +279,7 @@ cudaLaunchConfig_t stream_config(const DecodeArgs& a, cudaLaunchAttribute* attri
   attribute[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[1].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
-  config.numAttrs = dependent ? 2 : 1;
+  config.numAttrs = after_projection ? 2 : 1;
   return config;
 }
 
@@ -317,7 +303,7 @@ cudaError_t launch_stream(const DecodeArgs& a, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
   }
   cudaLaunchAttribute attribute[2];
-  const cudaLaunchConfig_t config = stream_config(a, attribute, stream, smem_bytes, /*dependent=*/true);
+  const cudaLaunchConfig_t config = stream_config(a, attribute, stream, smem_bytes, /*after_projection=*/!OWN);
   return cudaLaunchKernelEx(&config, decode_stream_kernel<T, NT, RS, OWN>, a);
 }
 
