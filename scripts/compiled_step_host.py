@@ -1,0 +1,82 @@
+"""Where a compiled decoding step's host time goes: the frozen base against BEM, by profiler event.
+
+    PYTHONPATH=. python scripts/compiled_step_host.py --config configs/profile_smollm_135m.yaml [--batch 1]
+
+`generate` with a static cache and its compiled decoding step (the profiler's `decode (compiled)` setting),
+warmed up until compiled, then one generate of `--tokens` new tokens and one of 1 token under torch.profiler
+(CPU activities only). Each event name's host time (self time, as the profiler reports it) in the second is
+subtracted from the first and divided by the decoding steps; the events whose time differs most between the
+base and BEM are printed, with the wall time per step of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bem.profiling.config import load_profile_config
+from bem.profiling.models import build_variants, load_base_model
+from bem.profiling.workloads import generation, random_batches
+
+
+def host_times(run, device: torch.device) -> tuple[dict[str, float], dict[str, int], float]:
+    """(self µs by event name, calls by event name, wall seconds) of one call of `run`."""
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run(0)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    micros: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    for event in prof.key_averages():
+        micros[event.key[:100]] += event.self_cpu_time_total
+        calls[event.key[:100]] += event.count
+    return dict(micros), dict(calls), wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    config = load_profile_config(args.config)
+    base = load_base_model(config.model, device, config.seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        variants = build_variants(base, config.bem_config(), with_lora=False)
+    ids = random_batches(base.config.vocab_size, args.batch, config.decode.prompt_length, config.seed, device)
+    pad = getattr(base.config, "pad_token_id", None) or 0
+    steps = args.tokens - 1
+    per_step: dict[str, dict[str, float]] = {}
+    calls_per_step: dict[str, dict[str, float]] = {}
+    for name, model in (("base", variants.base), ("bem", variants.bem)):
+        full = generation(model, ids, args.tokens, pad, config.decode.compile_backend)
+        first = generation(model, ids, 1, pad, config.decode.compile_backend)
+        for index in range(3):  # compile, then settle
+            full(index)
+            first(index)
+        (m_full, c_full, w_full), (m_first, c_first, w_first) = host_times(full, device), host_times(first, device)
+        per_step[name] = {k: (m_full.get(k, 0.0) - m_first.get(k, 0.0)) / steps for k in set(m_full) | set(m_first)}
+        calls_per_step[name] = {k: (c_full.get(k, 0) - c_first.get(k, 0)) / steps for k in set(c_full) | set(c_first)}
+        print(f"{name}: {1e3 * (w_full - w_first) / steps:.3f} ms a step (wall, under the profiler), "
+              f"{sum(per_step[name].values()) / 1e3:.3f} ms of profiled host time", flush=True)
+    names = set(per_step["base"]) | set(per_step["bem"])
+    rows = sorted(names, key=lambda k: -abs(per_step["bem"].get(k, 0.0) - per_step["base"].get(k, 0.0)))
+    print(f"\n{'event':<100}{'base µs':>10}{'bem µs':>10}{'base n':>8}{'bem n':>8}   (per decoding step)")
+    for key in rows[: args.top]:
+        print(f"{key:<100}{per_step['base'].get(key, 0.0):>10.1f}{per_step['bem'].get(key, 0.0):>10.1f}"
+              f"{calls_per_step['base'].get(key, 0.0):>8.1f}{calls_per_step['bem'].get(key, 0.0):>8.1f}")
+
+
+if __name__ == "__main__":
+    main()
