@@ -18,7 +18,7 @@ import re
 import warnings
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -71,32 +71,38 @@ def per_decoding_step(full: dict[str, float], first: dict[str, float], steps: in
     return {k: (full.get(k, 0.0) - first.get(k, 0.0)) / steps for k in set(full) | set(first)}
 
 
-def breakdown(config_path: str, batches: list[int], tokens: int, device: torch.device) -> list[dict[str, Any]]:
+def compiled_generations(config_path: str, batches: list[int], tokens: int, device: torch.device
+                         ) -> Iterator[tuple[str, int, str, Callable, Callable]]:
+    """(config name, batch, variant, generate of `tokens` new tokens, generate of 1) for the frozen base and BEM
+    at each batch size: a static cache and generate's compiled decoding step, compiled and settled."""
     config = load_profile_config(config_path)
     base = load_base_model(config.model, device, config.seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         variants = build_variants(base, config.bem_config(), with_lora=False)
-    vocab = base.config.vocab_size
     pad = getattr(base.config, "pad_token_id", None) or 0
-    backend = config.decode.compile_backend
-    rows = []
     for batch in batches:
-        ids = random_batches(vocab, batch, config.decode.prompt_length, config.seed, device)
+        ids = random_batches(base.config.vocab_size, batch, config.decode.prompt_length, config.seed, device)
         for name, model in (("base", variants.base), ("bem", variants.bem)):
-            full = generation(model, ids, tokens, pad, backend)
-            first = generation(model, ids, 1, pad, backend)
+            full = generation(model, ids, tokens, pad, config.decode.compile_backend)
+            first = generation(model, ids, 1, pad, config.decode.compile_backend)
             for index in range(3):  # compile, then settle
                 full(index)
                 first(index)
-            # each of (µs by kind, launches by kind, µs by name), per decoding step
-            per_step, launches, names = (per_decoding_step(a, b, tokens - 1) for a, b in
-                                         zip(kernel_times(full, 0, device), kernel_times(first, 0, device)))
-            top = sorted(names.items(), key=lambda item: -item[1])[:15]
-            rows.append({"config": config.name, "batch": batch, "variant": name, "us_per_step": per_step,
-                         "kernels_per_step": launches, "busy_us_per_step": sum(per_step.values()),
-                         "top_kernels_us": top})
-            print_rows(rows[-1:], header=len(rows) == 1)  # as it comes: compiling takes most of a run's time
+            yield config.name, batch, name, full, first
+
+
+def breakdown(config_path: str, batches: list[int], tokens: int, device: torch.device) -> list[dict[str, Any]]:
+    rows = []
+    for config_name, batch, name, full, first in compiled_generations(config_path, batches, tokens, device):
+        # each of (µs by kind, launches by kind, µs by name), per decoding step
+        per_step, launches, names = (per_decoding_step(a, b, tokens - 1) for a, b in
+                                     zip(kernel_times(full, 0, device), kernel_times(first, 0, device)))
+        top = sorted(names.items(), key=lambda item: -item[1])[:15]
+        rows.append({"config": config_name, "batch": batch, "variant": name, "us_per_step": per_step,
+                     "kernels_per_step": launches, "busy_us_per_step": sum(per_step.values()),
+                     "top_kernels_us": top})
+        print_rows(rows[-1:], header=len(rows) == 1)  # as it comes: compiling takes most of a run's time
     return rows
 
 

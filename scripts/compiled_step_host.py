@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import argparse
 import time
-import warnings
 from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bem.profiling.config import load_profile_config
-from bem.profiling.models import build_variants, load_base_model
-from bem.profiling.workloads import generation, random_batches
+from compiled_decode_breakdown import compiled_generations, per_decoding_step
 
 
 def host_times(run, device: torch.device) -> tuple[dict[str, float], dict[str, int], float]:
@@ -49,26 +46,13 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     device = torch.device(args.device)
-    config = load_profile_config(args.config)
-    base = load_base_model(config.model, device, config.seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        variants = build_variants(base, config.bem_config(), with_lora=False)
-    ids = random_batches(base.config.vocab_size, args.batch, config.decode.prompt_length, config.seed, device)
-    pad = getattr(base.config, "pad_token_id", None) or 0
-    steps = args.tokens - 1
     per_step: dict[str, dict[str, float]] = {}
     calls_per_step: dict[str, dict[str, float]] = {}
-    for name, model in (("base", variants.base), ("bem", variants.bem)):
-        full = generation(model, ids, args.tokens, pad, config.decode.compile_backend)
-        first = generation(model, ids, 1, pad, config.decode.compile_backend)
-        for index in range(3):  # compile, then settle
-            full(index)
-            first(index)
+    for _, _, name, full, first in compiled_generations(args.config, [args.batch], args.tokens, device):
         (m_full, c_full, w_full), (m_first, c_first, w_first) = host_times(full, device), host_times(first, device)
-        per_step[name] = {k: (m_full.get(k, 0.0) - m_first.get(k, 0.0)) / steps for k in set(m_full) | set(m_first)}
-        calls_per_step[name] = {k: (c_full.get(k, 0) - c_first.get(k, 0)) / steps for k in set(c_full) | set(c_first)}
-        print(f"{name}: {1e3 * (w_full - w_first) / steps:.3f} ms a step (wall, under the profiler), "
+        per_step[name] = per_decoding_step(m_full, m_first, args.tokens - 1)
+        calls_per_step[name] = per_decoding_step(c_full, c_first, args.tokens - 1)
+        print(f"{name}: {1e3 * (w_full - w_first) / (args.tokens - 1):.3f} ms a step (wall, under the profiler), "
               f"{sum(per_step[name].values()) / 1e3:.3f} ms of profiled host time", flush=True)
     names = set(per_step["base"]) | set(per_step["bem"])
     rows = sorted(names, key=lambda k: -abs(per_step["bem"].get(k, 0.0) - per_step["base"].get(k, 0.0)))

@@ -9,9 +9,9 @@
 // 16 rows of W over all of K and its eight warps split K between them (warp w takes the 32-column chunks
 // w, w + 8, ...: at most CH each), so the partial sums meet in the block's own shared memory after one
 // barrier. Every load is requested before the first result is used, into registers (W, then x, then V's
-// rows, then U's rows, the codes and the bias), so the block waits for memory about once. Every block computes the whole of X V itself (SliceProjection, as the streaming kernel's
-// in-block form does for its slice): V is r / 16 of the block's bytes of W, read from L2 after the first
-// block.
+// rows, then U's rows, the codes and the bias), so the block waits for memory about once. Every block
+// computes the whole of X V itself (SliceProjection, as the streaming kernel's in-block form does for its
+// slice): V is r / 16 of the block's bytes of W, read from L2 after the first block.
 //
 // The launch may start before the previous kernel on the stream has finished (programmatic dependent
 // launch): before it waits for that kernel, each thread only prefetches its lines of W into L2. L2 is
@@ -213,8 +213,7 @@ cudaError_t launch_row_chunks(const DecodeArgs& a, cudaStream_t stream) {
 }  // namespace
 
 bool decode_rows_fits(const DecodeArgs& a, int cc_major) {
-  return cc_major >= 9 && a.M >= 1 && a.M <= kDecodeStreamMaxTokens && !a.w_transposed && a.K % 8 == 0 &&
-         a.K <= kDecodeRowsMaxK && a.r >= 1 && a.r <= kDecodeStreamMaxRank && aligned16(a.X) && aligned16(a.W);
+  return decode_stream_fits(a, cc_major) && a.K <= kDecodeRowsMaxK;  // the streaming kernel's limits, and K's
 }
 
 static_assert(kDecodeRowsMaxK == 6 * kWarps * kChunk, "six chunks a warp at most");
