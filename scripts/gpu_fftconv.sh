@@ -5,7 +5,7 @@
 #   bash scripts/gpu_fftconv.sh objects            compile the CUDA sources into .fftconv_objects/ here (nvcc
 #                                                  13, sm_90a): a run that finds that folder (carry it) only
 #                                                  compiles the bindings against torch and links the objects
-#   bash scripts/gpu_fftconv.sh [tests] [bench] [quick-bench] [kernel-times]
+#   bash scripts/gpu_fftconv.sh [tests] [bench] [quick-bench] [kernel-times] [ncu] [variants]
 set -o pipefail
 cd "$(dirname "$0")/.."
 NVCC_FLAGS=(-gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --use_fast_math -lineinfo -Xcompiler -fPIC
@@ -61,13 +61,17 @@ step() {  # step NAME SECONDS COMMAND...
 for what in "${@:-tests bench}"; do
   for one in $what; do
     case $one in
+      # not the tests that make the bindings throw: a C++ exception through this just-in-time module crashes
+      # the process; gpu_validate.sh's mixer-errors step runs them against bem._C
       tests) step gpu_tests "${TESTS_LIMIT:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
-          tests/gpu/test_fftconv.py ;;
+          tests/gpu/test_fftconv.py -k "not refuse and not bad_operands" ;;
       cpu-tests) step cpu_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_fftconv_reference.py ;;
       bench) step bench "${BENCH_LIMIT:-240}" python3 -m bem.kernels.bench --fftconv --json "$OUT/bench.json" ;;
       quick-bench) step bench "${BENCH_LIMIT:-240}" python3 -m bem.kernels.bench --fftconv --quick \
           --json "$OUT/bench.json" ;;
       kernel-times) step kernel_times 150 env PYTHONPATH=. python3 scripts/fftconv_kernel_times.py ;;
+      ncu) step ncu "${NCU_LIMIT:-300}" bash scripts/fftconv_ncu.sh ;;
+      variants) step variants "${VARIANTS_LIMIT:-300}" bash scripts/fftconv_variants.sh ;;
       *) echo "unknown step $one" >&2; exit 2 ;;
     esac
   done

@@ -83,6 +83,21 @@ inline void copy_async8(float2* smem, const float2* global) {
 inline void wait_async_copies() {}
 #endif
 
+// Asks L2 for the line holding p (no register, no wait): inputs read later in a row, and the next row's.
+#if defined(__CUDACC__)
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+#else
+inline void prefetch_l2(const void*) {}
+#endif
+
+// The lines of row[0 .. n), spread over the block's threads.
+template <typename T>
+BEM_FFT_FN void prefetch_row_l2(const T* row, int64_t n, int t, int threads) {
+  if (row == nullptr) return;
+  constexpr int64_t kLine = 128 / sizeof(T);
+  for (int64_t i = (int64_t)t * kLine; i < n; i += (int64_t)threads * kLine) prefetch_l2(row + i);
+}
+
 // ---------------------------------------------------------------------------------------------------
 // complex arithmetic on float2
 
@@ -434,35 +449,50 @@ struct BlockFft {
     __syncthreads();
   }
 
-  // The last inverse pass (Ns = M/16): store(n, z) for n < M/2 with z = (x[2n], x[2n+1]) of the inverse
-  // transform, still to be scaled. With Store::kWritesSmem the store may write buf (after a barrier).
+  // The last inverse pass (Ns = M/16): store(n, z, in) for n < M/2 with z = (x[2n], x[2n+1]) of the inverse
+  // transform, still to be scaled, and in = store.fetch(n), the global inputs of those two outputs. With
+  // Store::kWritesSmem the store may write buf (after a barrier). Returns the sum of what the stores return.
+  //
+  // The fetches of kFetchGroup outputs are issued before any of their stores: a store may alias the inputs
+  // as far as the compiler knows, so fetching each output's inputs right before it serialised one global
+  // latency per output, half the forward kernel's time (ncu, L 8192).
   template <class Store>
-  BEM_FFT_FN void last_pass(const Store& store) const {
-    constexpr int Ns = M / 16;
+  BEM_FFT_FN double last_pass(const Store& store) const {
+    constexpr int Ns = M / 16, G = Store::kFetchGroup;
+    static_assert(8 % G == 0, "a fetch group divides a butterfly's 8 outputs");
     float2 v[2][16];
     int k[2];
     load16<true>(v, P::kPasses16 - 1, k);
     if (Store::kWritesSmem) __syncthreads();
     const int t = thread_index();
+    double sum = 0.0;
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
       const int j = t + q * P::kThreads;  // j < Ns: the output index is j + r Ns
 #pragma unroll
-      for (int r = 0; r < 8; ++r) store(j + r * Ns, conj2(v[q][r]));
+      for (int r0 = 0; r0 < 8; r0 += G) {
+        typename Store::Inputs in[G];
+#pragma unroll
+        for (int i = 0; i < G; ++i) in[i] = store.fetch(j + (r0 + i) * Ns);
+#pragma unroll
+        for (int i = 0; i < G; ++i) sum += store(j + (r0 + i) * Ns, conj2(v[q][r0 + i]), in[i]);
+      }
       BEM_FFT_ORDER();
     }
     if (Store::kWritesSmem) __syncthreads();
+    return sum;
   }
 
   // A = Z[k], B = Z[kp] (kp = M - k; kp = M for k = 0, the Nyquist bin, where A and B are both Z[0]),
-  // W = exp(-2 pi i k / 2M). op(k, kp, X2[k], X2[kp], S[k], S[kp], Y[k], Y[kp]) gets twice the real
+  // W = exp(-2 pi i k / 2M). op(k, kp, X2[k], X2[kp], S[k], S[kp], in, Y[k], Y[kp]) gets twice the real
   // signal's bins (X2 = 2X), with Op::kStaged the staged values of bins k and kp (stage()), and with
   // Op::kRetangle returns the bins of the inverse transform's real output, whose inputs at k and kp are
   // then written to buf (k = 0: only index 0). The caller has made those slots this thread's alone (a
   // barrier since the last reads of buf): writing each pair's result at once frees its registers, where
   // keeping all 16 pairs' results for one store phase spilled.
   template <class Op>
-  BEM_FFT_FN void pair(float2 A, float2 B, float2 W, int k, int kp, const Op& op) const {
+  BEM_FFT_FN void pair(float2 A, float2 B, float2 W, int k, int kp, const Op& op,
+                       const typename Op::Inputs& in) const {
     const int at_k = pad(k), at_kp = pad(kp);  // base + constant after unrolling (pair_bins)
     const float2 Bc = conj2(B);
     const float2 xe = cadd(A, Bc);
@@ -471,7 +501,7 @@ struct BlockFft {
     const float2 Xkp = conj2(csub(xe, wxo));
     const float2 zero = make_float2(0.0f, 0.0f);
     float2 Yk, Ykp;
-    op(k, kp, Xk, Xkp, Op::kStaged ? ld_ordered(at_k) : zero, Op::kStaged ? ld_ordered(at_kp) : zero, Yk, Ykp);
+    op(k, kp, Xk, Xkp, Op::kStaged ? ld_ordered(at_k) : zero, Op::kStaged ? ld_ordered(at_kp) : zero, in, Yk, Ykp);
     if (Op::kRetangle) {
       const float2 Ykpc = conj2(Ykp);
       const float2 ye = cadd(Yk, Ykpc);
@@ -481,25 +511,63 @@ struct BlockFft {
     }
   }
 
-  // The bins of thread t's pairs: a[] holds butterfly j1 (bins j1 + r Ns), b[] butterfly j2.
+  // One pair's operands: A = Z[k], B = Z[kp], W.
+  struct PairAt {
+    float2 A, B, W;
+    int k, kp;
+  };
+
+  // The N pairs at(0) .. at(N-1) (i a compile-time constant after unrolling), Op::kFetchGroup at a time:
+  // the op's global inputs of a group are all fetched before the first of its pairs (as in last_pass).
+  template <int N, class Op, class At>
+  BEM_FFT_FN void pair_group(const Op& op, const At& at) const {
+    constexpr int G = Op::kFetchGroup;
+#pragma unroll
+    for (int i0 = 0; i0 < N; i0 += G) {
+      typename Op::Inputs in[G];
+#pragma unroll
+      for (int i = 0; i < G; ++i) {
+        if (i0 + i < N) {
+          const PairAt p = at(i0 + i);
+          in[i] = op.fetch(p.k, p.kp);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < G; ++i) {
+        if (i0 + i < N) {
+          const PairAt p = at(i0 + i);
+          pair(p.A, p.B, p.W, p.k, p.kp, op, in[i]);
+        }
+      }
+    }
+  }
+
+  // The bins of thread t's pairs: a[] holds butterfly j1 (bins j1 + r Ns), b[] butterfly j2. Thread t > 0
+  // pairs bin t + r Ns (a[r]) with bin M - (t + r Ns) = (Ns - t) + (15 - r) Ns (b[15 - r]), r = 0 .. 15.
+  // Thread 0 holds butterflies 0 and Ns/2, whose bins pair among themselves: in slots r <= 8 it pairs a[r]
+  // with a[16 - r] (slot 0: bin 0 with the Nyquist bin M; slot 8: M/2 with itself), a select away from the
+  // others' slots; then b's eight pairs instead of slots 9 .. 15. Warp 0 runs both of those last branches, 24
+  // pairings: with a branch of thread 0's own for all of its 17 it ran 33 while the other warps waited, and
+  // that code was a fifth of the backward kernel's (which waited on instruction fetches, ncu).
   template <class Op>
   BEM_FFT_FN void pair_bins(const float2 (&a)[16], const float2 (&b)[16], const Op& op) const {
     constexpr int Ns = M / 16;
     const int t = thread_index();
-    if (t == 0) {  // butterflies 0 and Ns/2: their bins pair among themselves
-      pair(a[0], a[0], make_float2(1.0f, 0.0f), 0, M, op);
-      pair(a[8], a[8], make_float2(0.0f, -1.0f), M / 2, M / 2, op);
-#pragma unroll
-      for (int r = 1; r < 8; ++r) pair(a[r], a[16 - r], rotate32(make_float2(1.0f, 0.0f), r), r * Ns, (16 - r) * Ns, op);
-      // exp(-i pi / 32): the bins Ns/2 + r Ns
-      const float2 base2 = make_float2(0.99518472667219689f, -0.098017140329560602f);
-#pragma unroll
-      for (int r = 0; r < 8; ++r)
-        pair(b[r], b[15 - r], rotate32(base2, r), Ns / 2 + r * Ns, Ns / 2 + (15 - r) * Ns, op);
+    const bool t0 = t == 0;
+    const float2 base = pair_base[t];
+    pair_group<9>(op, [&](int r) {
+      return PairAt{a[r], t0 ? a[(16 - r) & 15] : b[15 - r], rotate32(base, r), t + r * Ns, (Ns - t) + (15 - r) * Ns};
+    });
+    if (!t0) {
+      pair_group<7>(op, [&](int i) {
+        const int r = 9 + i;
+        return PairAt{a[r], b[15 - r], rotate32(base, r), t + r * Ns, (Ns - t) + (15 - r) * Ns};
+      });
     } else {
-      const float2 base = pair_base[t];
-#pragma unroll
-      for (int r = 0; r < 16; ++r) pair(a[r], b[15 - r], rotate32(base, r), t + r * Ns, (Ns - t) + (15 - r) * Ns, op);
+      const float2 base2 = make_float2(0.99518472667219689f, -0.098017140329560602f);  // exp(-i pi / 32)
+      pair_group<8>(op, [&](int r) {
+        return PairAt{b[r], b[15 - r], rotate32(base2, r), Ns / 2 + r * Ns, Ns / 2 + (15 - r) * Ns};
+      });
     }
   }
 
@@ -546,6 +614,8 @@ struct BlockFft {
       __syncthreads();  // every thread's reads done: its bins' slots are its own now
       stage(op.staged);
     }
+#pragma unroll
+    for (int r = 0; r < 16; ++r) op.prefetch(j1 + r * Ns, j2 + r * Ns);
     twiddle16(a, table + 3 * j1);
     dft16<false, false>(a);
     BEM_FFT_ORDER();
@@ -567,13 +637,14 @@ struct BlockFft {
     __syncthreads();
   }
 
-  BEM_FFT_FN void middle_passes() const {
+  BEM_FFT_FN void middle_passes_here() const {
     // a loop the compiler cannot count (thread_index() >> 30 is 0): with one middle pass (M <= 4096) it
     // otherwise became straight-line code with the passes around it, 219 registers against 128 at M = 1024
     const int passes = P::kPasses16 - 1 + (thread_index() >> 30);
 #pragma unroll 1
     for (int pass = 0; pass < passes; ++pass) pass16(pass);
   }
+  BEM_FFT_FN void middle_passes() const;
 
   // forward transform of load's z (zero past M/2), then op on the bins
   template <class Load, class Op>
@@ -583,14 +654,30 @@ struct BlockFft {
     pair_pass(op);
   }
 
-  // inverse transform of what pair_pass / pair_only left in buf, into store
+  // inverse transform of what pair_pass / pair_only left in buf, into store; the sum of the store's returns
   template <class Store>
-  BEM_FFT_FN void inverse(const Store& store) const {
+  BEM_FFT_FN double inverse(const Store& store) const {
     first_pass<false>([this](int, int padded) { return ldp(padded); });
     middle_passes();
-    last_pass(store);
+    return last_pass(store);
   }
 };
+
+// The middle passes as one function that every transform of a kernel calls: inlined at each call site,
+// the backward kernel's code outgrew the instruction cache (ncu: 43% of its stalls waiting for instructions).
+#if defined(__CUDACC__)
+#define BEM_FFT_SHARED_CODE __device__ __noinline__
+#else
+#define BEM_FFT_SHARED_CODE inline
+#endif
+template <int M>
+BEM_FFT_SHARED_CODE void middle_passes_of(float4* smem) {
+  BlockFft<M>(smem).middle_passes_here();
+}
+template <int M>
+BEM_FFT_FN void BlockFft<M>::middle_passes() const {
+  middle_passes_of<M>(reinterpret_cast<float4*>(buf));
+}
 
 // ---------------------------------------------------------------------------------------------------
 // element types
@@ -629,12 +716,23 @@ struct GatedLoad {
 // ---------------------------------------------------------------------------------------------------
 // the bin-wise ops
 
+// The members of an op or store that reads nothing from global memory (besides an op's staged values).
+struct NoInputs {};
+#define BEM_FFT_FETCHES_NOTHING                                \
+  using Inputs = NoInputs;                                     \
+  static constexpr int kFetchGroup = 1;                        \
+  BEM_FFT_FN NoInputs fetch(int) const { return {}; }          \
+  BEM_FFT_FN NoInputs fetch(int, int) const { return {}; }     \
+  BEM_FFT_FN void prefetch(int, int) const {}
+
 // S[k] = X[k]: the spectrum kernel's output
 struct SpectrumOp {
+  BEM_FFT_FETCHES_NOTHING
   static constexpr bool kRetangle = false, kStaged = false;
   const float2* staged;
   float2* S;
-  BEM_FFT_FN void operator()(int k, int kp, float2 Xk, float2 Xkp, float2, float2, float2&, float2&) const {
+  BEM_FFT_FN void operator()(int k, int kp, float2 Xk, float2 Xkp, float2, float2, NoInputs, float2&,
+                             float2&) const {
     S[k] = cscale(Xk, 0.5f);
     S[kp] = cscale(Xkp, 0.5f);
   }
@@ -642,10 +740,11 @@ struct SpectrumOp {
 
 // Y = X S (the convolution; S staged); with keep, X is also kept (the backward's V for dk)
 struct ConvOp {
+  BEM_FFT_FETCHES_NOTHING
   static constexpr bool kRetangle = true, kStaged = true;
   const float2* staged;  // S
   float2* keep;
-  BEM_FFT_FN void operator()(int k, int kp, float2 Xk, float2 Xkp, float2 Sk, float2 Skp, float2& Yk,
+  BEM_FFT_FN void operator()(int k, int kp, float2 Xk, float2 Xkp, float2 Sk, float2 Skp, NoInputs, float2& Yk,
                              float2& Ykp) const {
     if (keep) {
       keep[k] = Xk;
@@ -658,28 +757,57 @@ struct ConvOp {
 
 // keep X only (the backward's V, when the pre-activation is not recomputed)
 struct KeepOp {
+  BEM_FFT_FETCHES_NOTHING
   static constexpr bool kRetangle = false, kStaged = false;
   const float2* staged;
   float2* keep;
-  BEM_FFT_FN void operator()(int k, int kp, float2 Xk, float2 Xkp, float2, float2, float2&, float2&) const {
+  BEM_FFT_FN void operator()(int k, int kp, float2 Xk, float2 Xkp, float2, float2, NoInputs, float2&,
+                             float2&) const {
     keep[k] = Xk;
     keep[kp] = Xkp;
   }
 };
 
-// the backward on G = FFT(g): acc (+)= G conj(V) (dk), Y = G conj(S) (dv; S staged)
+// the backward on G = FFT(g): acc (+)= G conj(V) (dk), Y = G conj(S) (dv; S staged). V and acc are the
+// block's scratch in global memory, prefetched into L2 before the last pass.
 struct GradOp {
   static constexpr bool kRetangle = true, kStaged = true;
+  static constexpr int kFetchGroup = 1;  // two pairs at a time spilled
+  struct Inputs {
+    float2 Vk, Vkp, acc_k, acc_kp;
+  };
   const float2* staged;  // S
   const float2* V;       // null: no dk
   float2* acc;
   bool first;
-  BEM_FFT_FN void operator()(int k, int kp, float2 Gk, float2 Gkp, float2 Sk, float2 Skp, float2& Yk,
-                             float2& Ykp) const {
+  BEM_FFT_FN void prefetch(int k1, int k2) const {
+    if (!V) return;
+    prefetch_l2(V + k1);
+    prefetch_l2(V + k2);
+    if (!first) {
+      prefetch_l2(acc + k1);
+      prefetch_l2(acc + k2);
+    }
+  }
+  BEM_FFT_FN Inputs fetch(int k, int kp) const {
+    const float2 zero = make_float2(0.0f, 0.0f);
+    Inputs in{zero, zero, zero, zero};
     if (V) {
-      const float2 ck = cmulc(Gk, V[k]), ckp = cmulc(Gkp, V[kp]);
-      acc[k] = first ? ck : cadd(acc[k], ck);
-      if (kp != k) acc[kp] = first ? ckp : cadd(acc[kp], ckp);
+      in.Vk = V[k];
+      in.Vkp = V[kp];
+      if (!first) {
+        in.acc_k = acc[k];
+        in.acc_kp = acc[kp];
+      }
+    }
+    return in;
+  }
+  BEM_FFT_FN void operator()(int k, int kp, float2 Gk, float2 Gkp, float2 Sk, float2 Skp, const Inputs& in,
+                             float2& Yk, float2& Ykp) const {
+    if (V) {
+      const float2 ck = cmulc(Gk, in.Vk), ckp = cmulc(Gkp, in.Vkp);
+      acc[k] = first ? ck : cadd(in.acc_k, ck);
+      if (kp != k) acc[kp] = first ? ckp : cadd(in.acc_kp, ckp);
     }
     Yk = cmulc(Gk, Sk);
     Ykp = cmulc(Gkp, Skp);
@@ -689,20 +817,32 @@ struct GradOp {
 // Y = acc (the correlation's spectrum, for dk)
 struct AccumulatedOp {
   static constexpr bool kRetangle = true, kStaged = false;
+  static constexpr int kFetchGroup = 4;
+  struct Inputs {
+    float2 k, kp;
+  };
   const float2* staged;
   const float2* acc;
-  BEM_FFT_FN void operator()(int k, int kp, float2, float2, float2, float2, float2& Yk, float2& Ykp) const {
-    Yk = acc[k];
-    Ykp = acc[kp];
+  BEM_FFT_FN void prefetch(int, int) const {}
+  BEM_FFT_FN Inputs fetch(int k, int kp) const { return Inputs{acc[k], acc[kp]}; }
+  BEM_FFT_FN void operator()(int, int, float2, float2, float2, float2, const Inputs& in, float2& Yk,
+                             float2& Ykp) const {
+    Yk = in.k;
+    Ykp = in.kp;
   }
 };
 
 // ---------------------------------------------------------------------------------------------------
-// the epilogues: store(n, z), z = (c[2n], c[2n+1]) times 1/scale
+// the epilogues: in = fetch(n) loads the global inputs of the outputs 2n and 2n+1 (last_pass issues a group's
+// fetches before its stores), then store(n, z, in), z = (c[2n], c[2n+1]) times 1/scale
 
 template <typename T>
 struct ForwardStore {
   static constexpr bool kWritesSmem = false;
+  static constexpr int kFetchGroup = 8;
+  struct Inputs {
+    float v[2], post[2];
+  };
   GatedLoad<T> v;  // D ⊙ v: the pregated input read again (a recent row: L2)
   T* y;
   const T* post;
@@ -710,16 +850,27 @@ struct ForwardStore {
   bool with_d;
   float scale;
   bool gelu;
-  BEM_FFT_FN void one(int m, float c) const {
+  BEM_FFT_FN Inputs fetch(int n) const {
+    Inputs in;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int m = 2 * n + e;
+      in.v[e] = with_d ? v.value(m) : 0.0f;
+      in.post[e] = post && m < v.L ? to_f(post[m]) : 1.0f;
+    }
+    return in;
+  }
+  BEM_FFT_FN void one(int m, float c, const Inputs& in, int e) const {
     if (m >= v.L) return;
-    if (with_d) c += D * v.value(m);
+    if (with_d) c += D * in.v[e];
     float a = gelu ? gelu_f(c) : c;
-    if (post) a *= to_f(post[m]);
+    if (post) a *= in.post[e];
     y[m] = from_f<T>(a);
   }
-  BEM_FFT_FN void operator()(int n, float2 z) const {
-    one(2 * n, z.x * scale);
-    one(2 * n + 1, z.y * scale);
+  BEM_FFT_FN double operator()(int n, float2 z, const Inputs& in) const {
+    one(2 * n, z.x * scale, in, 0);
+    one(2 * n + 1, z.y * scale, in, 1);
+    return 0.0;
   }
 };
 
@@ -728,6 +879,10 @@ struct ForwardStore {
 template <int M, typename T>
 struct ActivationGradStore {
   static constexpr bool kWritesSmem = true;
+  static constexpr int kFetchGroup = 4;
+  struct Inputs {
+    float v[2], dy[2], post[2];
+  };
   const BlockFft<M>* fft;
   GatedLoad<T> v;
   const T* dy;
@@ -737,27 +892,44 @@ struct ActivationGradStore {
   float D;
   float scale;
   bool gelu;
-  BEM_FFT_FN float one(int m, float c) const {
+  BEM_FFT_FN Inputs fetch(int n) const {
+    Inputs in;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int m = 2 * n + e;
+      const bool inside = m < v.L;
+      in.v[e] = g_keep ? v.value(m) : 0.0f;
+      in.dy[e] = inside ? to_f(dy[m]) : 0.0f;
+      in.post[e] = post && inside ? to_f(post[m]) : 1.0f;
+    }
+    return in;
+  }
+  BEM_FFT_FN float one(int m, float c, const Inputs& in, int e) const {
     if (m >= v.L) return 0.0f;
-    if (g_keep) c += D * v.value(m);
-    const float dyv = to_f(dy[m]);
+    if (g_keep) c += D * in.v[e];
+    const float dyv = in.dy[e];
     if (dpost) dpost[m] = from_f<T>(dyv * (gelu ? gelu_f(c) : c));
-    float g = post ? dyv * to_f(post[m]) : dyv;
+    float g = post ? dyv * in.post[e] : dyv;
     if (gelu) g *= gelu_grad_f(c);
     if (g_keep) g_keep[m] = g;
     return g;
   }
-  BEM_FFT_FN void operator()(int n, float2 z) const {
-    fft->st(n, make_float2(one(2 * n, z.x * scale), one(2 * n + 1, z.y * scale)));
+  BEM_FFT_FN double operator()(int n, float2 z, const Inputs& in) const {
+    fft->st(n, make_float2(one(2 * n, z.x * scale, in, 0), one(2 * n + 1, z.y * scale, in, 1)));
+    return 0.0;
   }
 };
 
 // From dv = corr(g, k) + D ⊙ g: du = dv ⊙ pre (dv without one), dpre = dv ⊙ u; g from g_keep, else
-// dy ⊙ post read again. With dD_sum, adds g ⊙ v to it in double precision (dD as a direct sum: lag 0 of
-// the FFT correlation, or a float32 sum, measured several times the error of PyTorch's pairwise sum).
+// dy ⊙ post read again. With sum_dD, returns the sum of g ⊙ v in double precision (dD as a direct sum: lag 0
+// of the FFT correlation, or a float32 sum, measured several times the error of PyTorch's pairwise sum).
 template <typename T>
 struct InputGradStore {
   static constexpr bool kWritesSmem = false;
+  static constexpr int kFetchGroup = 4;
+  struct Inputs {
+    float g[2], u[2], pre[2];
+  };
   GatedLoad<T> v;
   T* du;
   T* dpre;
@@ -765,32 +937,44 @@ struct InputGradStore {
   const float* g_keep;
   float D;
   bool with_d;
-  double* dD_sum;
+  bool sum_dD;
   float scale;
-  BEM_FFT_FN void one(int m, float dv) const {
-    if (m >= g.L) return;
-    if (with_d || dD_sum) {
-      const float gm = g_keep ? g_keep[m] : g.value(m);
-      if (with_d) dv += D * gm;
-      if (dD_sum) *dD_sum += (double)gm * (double)v.value(m);
+  BEM_FFT_FN Inputs fetch(int n) const {
+    Inputs in;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int m = 2 * n + e;
+      const bool inside = m < g.L;
+      in.g[e] = (with_d || sum_dD) && inside ? (g_keep ? g_keep[m] : g.value(m)) : 0.0f;
+      in.u[e] = (dpre || sum_dD) && inside ? to_f(v.a[m]) : 0.0f;
+      in.pre[e] = v.gate && (du || sum_dD) && inside ? to_f(v.gate[m]) : 1.0f;
     }
-    if (du) du[m] = from_f<T>(v.gate ? dv * to_f(v.gate[m]) : dv);
-    if (dpre) dpre[m] = from_f<T>(dv * to_f(v.a[m]));
+    return in;
   }
-  BEM_FFT_FN void operator()(int n, float2 z) const {
-    one(2 * n, z.x * scale);
-    one(2 * n + 1, z.y * scale);
+  BEM_FFT_FN double one(int m, float dv, const Inputs& in, int e) const {
+    if (m >= g.L) return 0.0;
+    double dD = 0.0;
+    if (with_d) dv += D * in.g[e];
+    if (sum_dD) dD = (double)in.g[e] * (double)(v.gate ? in.u[e] * in.pre[e] : in.u[e]);
+    if (du) du[m] = from_f<T>(v.gate ? dv * in.pre[e] : dv);
+    if (dpre) dpre[m] = from_f<T>(dv * in.u[e]);
+    return dD;
+  }
+  BEM_FFT_FN double operator()(int n, float2 z, const Inputs& in) const {
+    return one(2 * n, z.x * scale, in, 0) + one(2 * n + 1, z.y * scale, in, 1);
   }
 };
 
 struct CorrelationStore {
+  BEM_FFT_FETCHES_NOTHING
   static constexpr bool kWritesSmem = false;
   float* out;
   int taps;
   float scale;
-  BEM_FFT_FN void operator()(int n, float2 z) const {
+  BEM_FFT_FN double operator()(int n, float2 z, NoInputs) const {
     if (2 * n < taps) out[2 * n] = z.x * scale;
     if (2 * n + 1 < taps) out[2 * n + 1] = z.y * scale;
+    return 0.0;
   }
 };
 
@@ -834,6 +1018,13 @@ BEM_FFT_FN void forward_body(const ForwardParams<T>& p) {
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const int64_t at = row * p.L;
     const int h = (int)(row % p.H);
+    // into L2 while this row transforms: its post-gate (read by the epilogue) and the next row's inputs
+    prefetch_row_l2(p.post ? p.post + at : nullptr, p.L, fft.t, Plan<M>::kThreads);
+    if (row + gridDim.x < p.rows) {
+      const int64_t next = (row + gridDim.x) * p.L;
+      prefetch_row_l2(p.u + next, p.L, fft.t, Plan<M>::kThreads);
+      prefetch_row_l2(p.pre ? p.pre + next : nullptr, p.L, fft.t, Plan<M>::kThreads);
+    }
     const GatedLoad<T> v{p.u + at, p.pre ? p.pre + at : nullptr, p.L};
     fft.forward(v, ConvOp{p.S + (int64_t)h * (M + 1), nullptr});
     fft.inverse(ForwardStore<T>{v, p.y + at, p.post ? p.post + at : nullptr, p.D ? p.D[h] : 0.0f, p.D != nullptr,
@@ -885,6 +1076,9 @@ BEM_FFT_FN void backward_body(const BackwardParams<T>& p) {
       const int64_t at = ((int64_t)b * p.H + h) * p.L;
       const GatedLoad<T> v{p.u + at, p.pre ? p.pre + at : nullptr, p.L};
       const GatedLoad<T> g{p.dy + at, p.post ? p.post + at : nullptr, p.L};  // g without the activation
+      // into L2 while the row's first transform runs: dy and the post-gate, read after it
+      prefetch_row_l2(p.dy + at, p.L, fft.t, Plan<M>::kThreads);
+      prefetch_row_l2(p.post ? p.post + at : nullptr, p.L, fft.t, Plan<M>::kThreads);
       if (p.need_c) {  // c = conv(v, k) + D v again, then g and dpost from it; g is left in buf
         fft.forward(v, ConvOp{S, V});
         fft.inverse(ActivationGradStore<M, T>{&fft, v, p.dy + at, p.post ? p.post + at : nullptr,
@@ -894,8 +1088,13 @@ BEM_FFT_FN void backward_body(const BackwardParams<T>& p) {
         if (V) fft.forward(v, KeepOp{nullptr, V});
         fft.forward(g, GradOp{S, V, acc, b == b0});
       }
-      fft.inverse(InputGradStore<T>{v, p.du ? p.du + at : nullptr, p.dpre ? p.dpre + at : nullptr, g, g_keep, D,
-                                    p.D != nullptr, p.dD_part ? &dD_sum : nullptr, scale});
+      if (b + 1 < b1) {  // the next row's inputs, into L2 while this row's last transform runs
+        const int64_t next = at + (int64_t)p.H * p.L;
+        prefetch_row_l2(p.u + next, p.L, fft.t, Plan<M>::kThreads);
+        prefetch_row_l2(p.pre ? p.pre + next : nullptr, p.L, fft.t, Plan<M>::kThreads);
+      }
+      dD_sum += fft.inverse(InputGradStore<T>{v, p.du ? p.du + at : nullptr, p.dpre ? p.dpre + at : nullptr, g,
+                                              g_keep, D, p.D != nullptr, p.dD_part != nullptr, scale});
     }
     if (p.dD_part) {
       const double total = fft.block_sum(dD_sum);

@@ -50,8 +50,12 @@ def _dev_module() -> Optional[ModuleType]:
         return load(name="bem_fftconv_dev_objects", sources=bindings, extra_cflags=loader.CXX_FLAGS,
                     extra_ldflags=prebuilt, with_cuda=True, verbose=verbose)
     sources = sorted(str(p) for p in loader.CSRC.glob("fftconv*.cu")) + bindings
-    return load(name="bem_fftconv_dev", sources=sources, extra_cflags=loader.CXX_FLAGS,
-                extra_cuda_cflags=loader.NVCC_FLAGS, verbose=verbose)
+    # BEM_FFTCONV_DEV_NVCC_FLAGS: extra nvcc flags (a kernel variant's -D switches), built under a name of
+    # their own so that variants do not rebuild each other
+    extra = os.environ.get("BEM_FFTCONV_DEV_NVCC_FLAGS", "").split()
+    name = "bem_fftconv_dev" + "".join("_" + "".join(c for c in flag if c.isalnum()) for flag in extra)
+    return load(name=name, sources=sources, extra_cflags=loader.CXX_FLAGS,
+                extra_cuda_cflags=loader.NVCC_FLAGS + extra, verbose=verbose)
 
 
 def extension() -> Optional[ModuleType]:
