@@ -96,7 +96,8 @@ for what in "$@"; do
       done
       step eager_sweep ${SWEEP_LIMIT:-540} python3 profile.py --sweep "$(IFS=,; echo "${paths[*]}")" --output-dir "$OUT" ;;
     # the compiled-decoding settings only (no prefill, eager decoding or training; at most
-    # COMPILED_MAX_SECONDS of timed repeats a setting): copies of the configs named in SWEEP_CONFIGS
+    # COMPILED_MAX_SECONDS of timed repeats a setting; COMPILED_BATCHES, e.g. 1,16, instead of the config's
+    # batch sizes; COMPILED_LORA=0 leaves the LoRA peer out): copies of the configs named in SWEEP_CONFIGS
     compiled-sweep) mkdir -p /tmp/compiled_configs && paths=()
       for name in ${SWEEP_CONFIGS//,/ }; do
         python3 -c 'import sys, yaml
@@ -105,8 +106,11 @@ config = yaml.safe_load(open(f"configs/profile_{name}.yaml"))
 config["prefill"]["shapes"], config["train"]["enabled"] = [], False
 config["decode"].update(eager=False, compiled=True)
 config["timing"]["max_seconds"] = seconds
+if sys.argv[3]:
+    config["decode"]["batch_sizes"] = [int(b) for b in sys.argv[3].split(",")]
+config["lora"] = config.get("lora", True) and sys.argv[4] != "0"
 yaml.safe_dump(config, open(f"/tmp/compiled_configs/profile_{name}.yaml", "w"), sort_keys=False)' \
-          "$name" "${COMPILED_MAX_SECONDS:-10.0}"
+          "$name" "${COMPILED_MAX_SECONDS:-10.0}" "${COMPILED_BATCHES:-}" "${COMPILED_LORA:-1}"
         paths+=("/tmp/compiled_configs/profile_$name.yaml")
       done
       step compiled_sweep ${SWEEP_LIMIT:-540} python3 profile.py --sweep "$(IFS=,; echo "${paths[*]}")" --output-dir "$OUT" ;;

@@ -281,15 +281,15 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
     args.Y = Y.data_ptr();
     args.P = need_p ? P.data_ptr<float>() : nullptr;
     const int cc = cc_major(x.get_device());
+    const bool rows_fit = (mode == kDecodeRows || mode == kDecode) && decode_rows_fits(args, cc);
     if (mode == kDecodeRows) {
-      BEM_CHECK(decode_rows_fits(args, cc), "the row-split decode kernel takes a row-major weight, 1..",
+      BEM_CHECK(rows_fit, "the row-split decode kernel takes a row-major weight, 1..",
                 kDecodeStreamMaxTokens, " tokens, ranks 1..", kDecodeStreamMaxRank, ", K a multiple of 8 up to ",
                 kDecodeRowsMaxK, " and 16-byte aligned x and weight on a compute capability 9.0 GPU");
       BEM_CHECK(split_k == 0, "the row-split decode kernel does not split K (split_k = 0), got split_k = ", split_k);
     }
     // Small matrices: the row-split kernel (no clusters), where its rule takes the shape.
-    if ((mode == kDecodeRows || (mode == kDecode && split_k == 0 && decode_rows_takes((int)N, (int)K))) &&
-        decode_rows_fits(args, cc)) {
+    if (rows_fit && (mode == kDecodeRows || (split_k == 0 && decode_rows_takes((int)N, (int)K)))) {
       C10_CUDA_CHECK(launch_decode_rows(dtype_of(x), args, stream_now()));
       return {Y, P};
     }

@@ -57,11 +57,12 @@ __global__ void __launch_bounds__(kThreads) decode_rows_kernel(DecodeArgs p) {
   const T* w0 = W + (size_t)(wok0 ? n0 + g : 0) * K + 8 * c;
   const T* w1 = W + (size_t)(wok1 ? n0 + g + 8 : 0) * K + 8 * c;
   bool in[CH];
+  const auto chunk_k = [warp](int i) { return (warp + i * kWarps) * kChunk; };  // this warp's i-th chunk
 #pragma unroll
-  for (int i = 0; i < CH; ++i) in[i] = (warp + i * kWarps) * kChunk + 8 * c < K;  // K % 8 == 0: all 8 or none
+  for (int i = 0; i < CH; ++i) in[i] = chunk_k(i) + 8 * c < K;  // K % 8 == 0: all 8 or none
 #pragma unroll
   for (int i = 0; i < CH; ++i) {
-    const int k = (warp + i * kWarps) * kChunk;
+    const int k = chunk_k(i);
     if (in[i] && wok0) prefetch_l2(w0 + k);
     if (in[i] && wok1) prefetch_l2(w1 + k);
   }
@@ -70,7 +71,7 @@ __global__ void __launch_bounds__(kThreads) decode_rows_kernel(DecodeArgs p) {
   uint4 wa[CH], wb[CH], xa[CH], xb[CH];
 #pragma unroll
   for (int i = 0; i < CH; ++i) {
-    const int k = (warp + i * kWarps) * kChunk;
+    const int k = chunk_k(i);
     wa[i] = in[i] && wok0 ? ld_stream16(w0 + k) : zero4();
     wb[i] = in[i] && wok1 ? ld_stream16(w1 + k) : zero4();
   }
@@ -79,7 +80,7 @@ __global__ void __launch_bounds__(kThreads) decode_rows_kernel(DecodeArgs p) {
   const T* x1 = X + (size_t)(x_ok1 ? g + 8 : 0) * K + 8 * c;
 #pragma unroll
   for (int i = 0; i < CH; ++i) {
-    const int k = (warp + i * kWarps) * kChunk;
+    const int k = chunk_k(i);
     xa[i] = in[i] && x_ok0 ? ld_cached16(x0 + k) : zero4();
     xb[i] = NT == 2 && in[i] && x_ok1 ? ld_cached16(x1 + k) : zero4();
   }
@@ -89,9 +90,10 @@ __global__ void __launch_bounds__(kThreads) decode_rows_kernel(DecodeArgs p) {
   const SliceProjection<T, NT> proj(p, 0, K, stage[warp]);
   const bool shares_x = proj.kparts == kWarps;
   uint4 pv[CH];
+  if (shares_x) {
 #pragma unroll
-  for (int i = 0; i < CH; ++i)
-    if (shares_x) proj.load_v(warp + i * kWarps, pv[i]);
+    for (int i = 0; i < CH; ++i) proj.load_v(warp + i * kWarps, pv[i]);
+  }
   // The epilogue's small operands, kept as loaded (converted only when stored, so nothing waits on them here).
   T u_raw[kUPer], c_raw[kCPer];
   const T one = from_acc<T>(1.f), zero = from_acc<T>(0.f);
