@@ -11,6 +11,8 @@
 
 #include <cstdint>
 
+#include "fftconv_pass.h"
+
 namespace bem {
 namespace fftconv {
 
@@ -65,12 +67,13 @@ struct BackwardArgs {
   int B, H, L, taps, groups, rows_per_group;
   bool gelu;
   bool need_c;  // the recomputed pre-activation is needed: GELU on, or dpostgate wanted
+  BackwardPass pass;  // kInputs and kFilter only without need_c
 };
 
 // Shared memory one block of the spectrum length M takes (195 KB at M = 16384: more than an sm_80 GPU gives
 // one block, where those lengths take the cuFFT path).
 int block_smem_bytes(int M);
-int backward_blocks(Dtype dtype, int M, int64_t items, int num_sms);
+int backward_blocks(Dtype dtype, int M, int64_t items, int num_sms, BackwardPass pass);
 int64_t backward_scratch_per_block(int M);
 cudaError_t launch_spectrum(int M, const SpectrumArgs& args, int num_sms, cudaStream_t stream);
 cudaError_t launch_forward(Dtype dtype, int M, const ForwardArgs& args, int num_sms, cudaStream_t stream);

@@ -8,18 +8,33 @@
 namespace bem {
 namespace fftconv {
 
-template <int M, typename T>
+template <int M, typename T, BackwardPass kPass>
 __global__ void __launch_bounds__(M / 32, Plan<M>::kMinBlocks) backward_kernel(const BackwardParams<T> p) {
-  backward_body<M, T>(p);
+  backward_body<M, T, kPass>(p);
+}
+
+// f(std::integral_constant<BackwardPass, pass>)
+template <typename F>
+inline cudaError_t with_pass(BackwardPass pass, F&& f) {
+  switch (pass) {
+    case BackwardPass::kFused: return f(std::integral_constant<BackwardPass, BackwardPass::kFused>());
+    case BackwardPass::kInputs: return f(std::integral_constant<BackwardPass, BackwardPass::kInputs>());
+    case BackwardPass::kFilter: return f(std::integral_constant<BackwardPass, BackwardPass::kFilter>());
+  }
+  return cudaErrorInvalidValue;
 }
 
 template <typename T>
-int backward_blocks_typed(int M, int64_t items, int num_sms) {
+int backward_blocks_typed(int M, int64_t items, int num_sms, BackwardPass pass) {
   int blocks = 0;
   with_spectrum_length(M, [&](auto m) {
     constexpr int kM = decltype(m)::value;
-    blocks = grid_for(items, resident_blocks(backward_kernel<kM, T>, kM / 32, Plan<kM>::kSmemBytes), num_sms);
-    return cudaSuccess;
+    return with_pass(pass, [&](auto which) {
+      constexpr BackwardPass kPass = decltype(which)::value;
+      blocks = grid_for(items, resident_blocks(backward_kernel<kM, T, kPass>, kM / 32, Plan<kM>::kSmemBytes),
+                        num_sms);
+      return cudaSuccess;
+    });
   });
   return blocks;
 }
@@ -39,8 +54,10 @@ cudaError_t launch_backward_typed(int M, const BackwardArgs& args, int blocks, c
                               args.L,                               args.taps,
                               args.groups,                          args.rows_per_group,
                               args.gelu,                            args.need_c};
-    backward_kernel<kM, T><<<blocks, kM / 32, Plan<kM>::kSmemBytes, stream>>>(p);
-    return cudaGetLastError();
+    return with_pass(args.pass, [&](auto which) {
+      backward_kernel<kM, T, decltype(which)::value><<<blocks, kM / 32, Plan<kM>::kSmemBytes, stream>>>(p);
+      return cudaGetLastError();
+    });
   });
 }
 

@@ -236,19 +236,6 @@ std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, cons
   const int sms = num_sms(u.get_device());
   auto f32 = [](Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
   if (block_path(s.M, u.get_device())) {
-    // one block per (h, group of batch rows): as many groups as fill the GPU once, dk and dD summed after
-    const int full = fc::backward_blocks(s.dtype, (int)s.M, INT_MAX, sms);
-    FFTCONV_CHECK(full > 0, "the backward kernel does not fit this GPU");
-    const int64_t wanted = std::min<int64_t>(s.B, std::max<int64_t>(1, (full + s.H - 1) / s.H));
-    const int64_t rows_per_group = (s.B + wanted - 1) / wanted;
-    const int64_t groups = (s.B + rows_per_group - 1) / rows_per_group;
-    const int blocks = fc::backward_blocks(s.dtype, (int)s.M, s.H * groups, sms);
-    const bool scratch_needed = need_k || ((D.has_value() || need_D) && need_c);
-    Tensor scratch = scratch_needed ? at::empty({blocks * fc::backward_scratch_per_block((int)s.M)},
-                                                u.options().dtype(at::kFloat))
-                                    : Tensor();
-    Tensor dk_part = need_k ? at::empty({s.H, groups, s.taps}, u.options().dtype(at::kFloat)) : Tensor();
-    Tensor dD_part = need_D ? at::empty({s.H, groups}, u.options().dtype(at::kFloat)) : Tensor();
     fc::BackwardArgs args{};
     args.dy = grad_y.data_ptr();
     args.u = u.data_ptr();
@@ -256,23 +243,57 @@ std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, cons
     args.postgate = ptr(postgate);
     args.S = reinterpret_cast<const float2*>(S.data_ptr());
     args.D = D32.has_value() ? D32->data_ptr<float>() : nullptr;
-    args.du = need_u ? du.data_ptr() : nullptr;
-    args.dpregate = need_pre ? dpre.data_ptr() : nullptr;
-    args.dpostgate = need_post ? dpost.data_ptr() : nullptr;
-    args.dk_part = f32(dk_part);
-    args.dD_part = f32(dD_part);
-    args.scratch = f32(scratch);
     args.B = (int)s.B;
     args.H = (int)s.H;
     args.L = (int)s.L;
     args.taps = (int)s.taps;
-    args.groups = (int)groups;
-    args.rows_per_group = (int)rows_per_group;
     args.gelu = gelu;
     args.need_c = need_c;
-    C10_CUDA_CHECK(fc::launch_backward(s.dtype, (int)s.M, args, blocks, stream_now()));
-    if (need_k) dk = dk_of(dk_part.sum(1), k);
-    if (need_D) dD = dD_part.sum(1).to(D->scalar_type());
+    // Without the recomputed pre-activation the input gradients (one block per (b, h) row) and dk (a block
+    // per (h, group of batch rows), summing G conj(V) over the group) take a launch each; with it, one
+    // launch computes everything a row needs (its pre-activation is computed once).
+    const bool inputs_wanted = need_u || need_pre || need_D;
+    if (!need_c && inputs_wanted) {
+      args.pass = fc::BackwardPass::kInputs;
+      args.groups = (int)s.B;
+      args.rows_per_group = 1;
+      const int blocks = fc::backward_blocks(s.dtype, (int)s.M, s.H * s.B, sms, args.pass);
+      FFTCONV_CHECK(blocks > 0, "the backward kernel does not fit this GPU");
+      Tensor dD_part = need_D ? at::empty({s.H, s.B}, u.options().dtype(at::kFloat)) : Tensor();
+      args.du = need_u ? du.data_ptr() : nullptr;
+      args.dpregate = need_pre ? dpre.data_ptr() : nullptr;
+      args.dD_part = f32(dD_part);
+      C10_CUDA_CHECK(fc::launch_backward(s.dtype, (int)s.M, args, blocks, stream_now()));
+      if (need_D) dD = dD_part.sum(1).to(D->scalar_type());
+    }
+    if (need_c || need_k) {
+      args.pass = need_c ? fc::BackwardPass::kFused : fc::BackwardPass::kFilter;
+      // one block per (h, group of batch rows): as many groups as fill the GPU once, dk and dD summed after
+      const int full = fc::backward_blocks(s.dtype, (int)s.M, INT_MAX, sms, args.pass);
+      FFTCONV_CHECK(full > 0, "the backward kernel does not fit this GPU");
+      const int64_t wanted = std::min<int64_t>(s.B, std::max<int64_t>(1, (full + s.H - 1) / s.H));
+      const int64_t rows_per_group = (s.B + wanted - 1) / wanted;
+      const int64_t groups = (s.B + rows_per_group - 1) / rows_per_group;
+      const int blocks = fc::backward_blocks(s.dtype, (int)s.M, s.H * groups, sms, args.pass);
+      const bool fused_D = need_c && need_D;
+      const bool scratch_needed = need_k || ((D.has_value() || need_D) && need_c);
+      Tensor scratch = scratch_needed ? at::empty({blocks * fc::backward_scratch_per_block((int)s.M)},
+                                                  u.options().dtype(at::kFloat))
+                                      : Tensor();
+      Tensor dk_part = need_k ? at::empty({s.H, groups, s.taps}, u.options().dtype(at::kFloat)) : Tensor();
+      Tensor dD_part = fused_D ? at::empty({s.H, groups}, u.options().dtype(at::kFloat)) : Tensor();
+      args.du = need_c && need_u ? du.data_ptr() : nullptr;
+      args.dpregate = need_c && need_pre ? dpre.data_ptr() : nullptr;
+      args.dpostgate = need_post ? dpost.data_ptr() : nullptr;
+      args.dk_part = f32(dk_part);
+      args.dD_part = f32(dD_part);
+      args.scratch = f32(scratch);
+      args.groups = (int)groups;
+      args.rows_per_group = (int)rows_per_group;
+      C10_CUDA_CHECK(fc::launch_backward(s.dtype, (int)s.M, args, blocks, stream_now()));
+      if (need_k) dk = dk_of(dk_part.sum(1), k);
+      if (fused_D) dD = dD_part.sum(1).to(D->scalar_type());
+    }
     return {out(du), out(dk), out(dD), out(dpre), out(dpost)};
   }
   // longer: cuFFT; V = FFT(v) and G = FFT(g) give dk = IFFT(sum_b G conj V) and dv = IFFT(G conj S)

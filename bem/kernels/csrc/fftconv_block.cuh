@@ -47,6 +47,8 @@
 
 #include <cstdint>
 
+#include "fftconv_pass.h"
+
 namespace bem {
 namespace fftconv {
 
@@ -814,6 +816,23 @@ struct GradOp {
   }
 };
 
+// The filter's pass of a split backward: acc (+)= G conj(V) only (no inverse follows; nothing staged).
+struct FilterGradOp {
+  static constexpr bool kRetangle = false, kStaged = false;
+  static constexpr int kFetchGroup = 1;
+  using Inputs = GradOp::Inputs;
+  const float2* staged;
+  GradOp grad;  // its V, acc and first; S unused
+  BEM_FFT_FN void prefetch(int k1, int k2) const { grad.prefetch(k1, k2); }
+  BEM_FFT_FN Inputs fetch(int k, int kp) const { return grad.fetch(k, kp); }
+  BEM_FFT_FN void operator()(int k, int kp, float2 Gk, float2 Gkp, float2, float2, const Inputs& in, float2&,
+                             float2&) const {
+    const float2 ck = cmulc(Gk, in.Vk), ckp = cmulc(Gkp, in.Vkp);
+    grad.acc[k] = grad.first ? ck : cadd(in.acc_k, ck);
+    if (kp != k) grad.acc[kp] = grad.first ? ckp : cadd(in.acc_kp, ckp);
+  }
+};
+
 // Y = acc (the correlation's spectrum, for dk)
 struct AccumulatedOp {
   static constexpr bool kRetangle = true, kStaged = false;
@@ -1054,16 +1073,20 @@ struct BackwardParams {
   bool gelu, need_c;
 };
 
-template <int M, typename T>
+// kPass: BackwardPass::kFused computes every gradient asked for; kInputs (du, dpregate, dD) and kFilter (dk)
+// split them between two launches when the pre-activation need not be recomputed (need_c false).
+template <int M, typename T, BackwardPass kPass>
 BEM_FFT_FN void backward_body(const BackwardParams<T>& p) {
+  constexpr bool kInputs = kPass != BackwardPass::kFilter, kFilter = kPass != BackwardPass::kInputs;
   BEM_FFT_SHARED(smem);
   const BlockFft<M> fft(smem);
   fft.build_twiddles();
   const float scale = 1.0f / (4.0f * M);
   float* mine = p.scratch + (int64_t)blockIdx.x * backward_scratch_floats<M>();
-  float2* V = p.dk_part ? reinterpret_cast<float2*>(mine) : nullptr;                 // 2 FFT(v) of this row
-  float2* acc = p.dk_part ? reinterpret_cast<float2*>(mine) + (M + 1) : nullptr;     // sum of G conj(V)
-  float* g_keep = (p.D || p.dD_part) && p.need_c ? mine + 4 * (M + 1) : nullptr;    // g of this row
+  const bool dk = kFilter && p.dk_part;
+  float2* V = dk ? reinterpret_cast<float2*>(mine) : nullptr;                              // 2 FFT(v) of this row
+  float2* acc = dk ? reinterpret_cast<float2*>(mine) + (M + 1) : nullptr;                  // sum of G conj(V)
+  float* g_keep = kPass == BackwardPass::kFused && (p.D || p.dD_part) && p.need_c ? mine + 4 * (M + 1) : nullptr;
   const int64_t items = (int64_t)p.H * p.groups;
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
     const int h = (int)(item % p.H), group = (int)(item / p.H);
@@ -1079,28 +1102,41 @@ BEM_FFT_FN void backward_body(const BackwardParams<T>& p) {
       // into L2 while the row's first transform runs: dy and the post-gate, read after it
       prefetch_row_l2(p.dy + at, p.L, fft.t, Plan<M>::kThreads);
       prefetch_row_l2(p.post ? p.post + at : nullptr, p.L, fft.t, Plan<M>::kThreads);
-      if (p.need_c) {  // c = conv(v, k) + D v again, then g and dpost from it; g is left in buf
-        fft.forward(v, ConvOp{S, V});
-        fft.inverse(ActivationGradStore<M, T>{&fft, v, p.dy + at, p.post ? p.post + at : nullptr,
-                                              p.dpost ? p.dpost + at : nullptr, g_keep, D, scale, p.gelu});
-        fft.forward([&fft](int, int padded) { return fft.ldp(padded); }, GradOp{S, V, acc, b == b0});
+      const auto prefetch_next_row = [&] {  // into L2 while this row's last transform runs
+        if (b + 1 < b1) {
+          const int64_t next = at + (int64_t)p.H * p.L;
+          prefetch_row_l2(p.u + next, p.L, fft.t, Plan<M>::kThreads);
+          prefetch_row_l2(p.pre ? p.pre + next : nullptr, p.L, fft.t, Plan<M>::kThreads);
+        }
+      };
+      if constexpr (kPass == BackwardPass::kFused) {
+        if (p.need_c) {  // c = conv(v, k) + D v again, then g and dpost from it; g is left in buf
+          fft.forward(v, ConvOp{S, V});
+          fft.inverse(ActivationGradStore<M, T>{&fft, v, p.dy + at, p.post ? p.post + at : nullptr,
+                                                p.dpost ? p.dpost + at : nullptr, g_keep, D, scale, p.gelu});
+          fft.forward([&fft](int, int padded) { return fft.ldp(padded); }, GradOp{S, V, acc, b == b0});
+        } else {
+          if (V) fft.forward(v, KeepOp{nullptr, V});
+          fft.forward(g, GradOp{S, V, acc, b == b0});
+        }
+      } else if constexpr (kPass == BackwardPass::kInputs) {
+        fft.forward(g, GradOp{S, nullptr, nullptr, false});
       } else {
-        if (V) fft.forward(v, KeepOp{nullptr, V});
-        fft.forward(g, GradOp{S, V, acc, b == b0});
+        fft.forward(v, KeepOp{nullptr, V});
+        prefetch_next_row();
+        fft.forward(g, FilterGradOp{nullptr, GradOp{nullptr, V, acc, b == b0}});
       }
-      if (b + 1 < b1) {  // the next row's inputs, into L2 while this row's last transform runs
-        const int64_t next = at + (int64_t)p.H * p.L;
-        prefetch_row_l2(p.u + next, p.L, fft.t, Plan<M>::kThreads);
-        prefetch_row_l2(p.pre ? p.pre + next : nullptr, p.L, fft.t, Plan<M>::kThreads);
+      if constexpr (kInputs) {
+        prefetch_next_row();
+        dD_sum += fft.inverse(InputGradStore<T>{v, p.du ? p.du + at : nullptr, p.dpre ? p.dpre + at : nullptr, g,
+                                                g_keep, D, p.D != nullptr, p.dD_part != nullptr, scale});
       }
-      dD_sum += fft.inverse(InputGradStore<T>{v, p.du ? p.du + at : nullptr, p.dpre ? p.dpre + at : nullptr, g,
-                                              g_keep, D, p.D != nullptr, p.dD_part != nullptr, scale});
     }
-    if (p.dD_part) {
+    if (kInputs && p.dD_part) {
       const double total = fft.block_sum(dD_sum);
       if (fft.t == 0) p.dD_part[(int64_t)h * p.groups + group] = (float)total;
     }
-    if (p.dk_part && b1 > b0) {
+    if (dk && b1 > b0) {
       fft.pair_only(AccumulatedOp{nullptr, acc});
       fft.inverse(CorrelationStore{p.dk_part + ((int64_t)h * p.groups + group) * p.taps, p.taps, 0.5f * scale});
     }
