@@ -64,6 +64,7 @@ struct BackwardArgs {
   float* dk_part;
   float* dD_part;
   float* scratch;
+  float* g_rows;  // float32 (B, H, L): g, written by kActivation, read by kInputs and kFilter; or null
   int B, H, L, taps, groups, rows_per_group;
   bool gelu;
   bool need_c;  // the recomputed pre-activation is needed: GELU on, or dpostgate wanted

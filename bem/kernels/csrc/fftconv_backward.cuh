@@ -20,6 +20,7 @@ inline cudaError_t with_pass(BackwardPass pass, F&& f) {
     case BackwardPass::kFused: return f(std::integral_constant<BackwardPass, BackwardPass::kFused>());
     case BackwardPass::kInputs: return f(std::integral_constant<BackwardPass, BackwardPass::kInputs>());
     case BackwardPass::kFilter: return f(std::integral_constant<BackwardPass, BackwardPass::kFilter>());
+    case BackwardPass::kActivation: return f(std::integral_constant<BackwardPass, BackwardPass::kActivation>());
   }
   return cudaErrorInvalidValue;
 }
@@ -50,6 +51,7 @@ cudaError_t launch_backward_typed(int M, const BackwardArgs& args, int blocks, c
                               static_cast<T*>(args.du),             static_cast<T*>(args.dpregate),
                               static_cast<T*>(args.dpostgate),      args.dk_part,
                               args.dD_part,                         args.scratch,
+                              args.g_rows,
                               args.B,                               args.H,
                               args.L,                               args.taps,
                               args.groups,                          args.rows_per_group,

@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <climits>
+#include <cstdlib>
 #include <mutex>
 #include <stdexcept>
 #include <vector>
@@ -249,11 +250,28 @@ std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, cons
     args.taps = (int)s.taps;
     args.gelu = gelu;
     args.need_c = need_c;
-    // Without the recomputed pre-activation the input gradients (one block per (b, h) row) and dk (a block
-    // per (h, group of batch rows), summing G conj(V) over the group) take a launch each; with it, one
-    // launch computes everything a row needs (its pre-activation is computed once).
+    // Up to three launches, each kernel the code of two transforms a row: with GELU or dpostgate wanted, the
+    // pre-activation again and from it g (float32, to g_rows) and dpostgate; the input gradients (one block
+    // per (b, h) row); dk (a block per (h, group of batch rows), summing G conj(V) over the group).
+    // BEM_FFTCONV_FUSED_BACKWARD=1 takes the single-launch kernel instead (the pre-activation's transforms
+    // and the rest in one kernel; measured slower, kept for comparison).
     const bool inputs_wanted = need_u || need_pre || need_D;
-    if (!need_c && inputs_wanted) {
+    const char* fused_env = std::getenv("BEM_FFTCONV_FUSED_BACKWARD");
+    const bool fused = need_c && fused_env != nullptr && fused_env[0] == '1';
+    Tensor g_rows;
+    if (need_c && !fused) {
+      g_rows = at::empty({s.B, s.H, s.L}, u.options().dtype(at::kFloat));
+      args.pass = fc::BackwardPass::kActivation;
+      args.groups = (int)s.B;
+      args.rows_per_group = 1;
+      args.g_rows = g_rows.data_ptr<float>();
+      args.dpostgate = need_post ? dpost.data_ptr() : nullptr;
+      const int blocks = fc::backward_blocks(s.dtype, (int)s.M, s.H * s.B, sms, args.pass);
+      FFTCONV_CHECK(blocks > 0, "the backward kernel does not fit this GPU");
+      C10_CUDA_CHECK(fc::launch_backward(s.dtype, (int)s.M, args, blocks, stream_now()));
+      args.dpostgate = nullptr;
+    }
+    if (!fused && inputs_wanted) {
       args.pass = fc::BackwardPass::kInputs;
       args.groups = (int)s.B;
       args.rows_per_group = 1;
@@ -265,9 +283,11 @@ std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, cons
       args.dD_part = f32(dD_part);
       C10_CUDA_CHECK(fc::launch_backward(s.dtype, (int)s.M, args, blocks, stream_now()));
       if (need_D) dD = dD_part.sum(1).to(D->scalar_type());
+      args.du = args.dpregate = nullptr;
+      args.dD_part = nullptr;
     }
-    if (need_c || need_k) {
-      args.pass = need_c ? fc::BackwardPass::kFused : fc::BackwardPass::kFilter;
+    if (fused || need_k) {
+      args.pass = fused ? fc::BackwardPass::kFused : fc::BackwardPass::kFilter;
       // one block per (h, group of batch rows): as many groups as fill the GPU once, dk and dD summed after
       const int full = fc::backward_blocks(s.dtype, (int)s.M, INT_MAX, sms, args.pass);
       FFTCONV_CHECK(full > 0, "the backward kernel does not fit this GPU");
@@ -275,16 +295,18 @@ std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, cons
       const int64_t rows_per_group = (s.B + wanted - 1) / wanted;
       const int64_t groups = (s.B + rows_per_group - 1) / rows_per_group;
       const int blocks = fc::backward_blocks(s.dtype, (int)s.M, s.H * groups, sms, args.pass);
-      const bool fused_D = need_c && need_D;
-      const bool scratch_needed = need_k || ((D.has_value() || need_D) && need_c);
+      const bool fused_D = fused && need_D;
+      const bool scratch_needed = need_k || ((D.has_value() || need_D) && fused);
       Tensor scratch = scratch_needed ? at::empty({blocks * fc::backward_scratch_per_block((int)s.M)},
                                                   u.options().dtype(at::kFloat))
                                       : Tensor();
       Tensor dk_part = need_k ? at::empty({s.H, groups, s.taps}, u.options().dtype(at::kFloat)) : Tensor();
       Tensor dD_part = fused_D ? at::empty({s.H, groups}, u.options().dtype(at::kFloat)) : Tensor();
-      args.du = need_c && need_u ? du.data_ptr() : nullptr;
-      args.dpregate = need_c && need_pre ? dpre.data_ptr() : nullptr;
-      args.dpostgate = need_post ? dpost.data_ptr() : nullptr;
+      if (fused) {
+        args.du = need_u ? du.data_ptr() : nullptr;
+        args.dpregate = need_pre ? dpre.data_ptr() : nullptr;
+        args.dpostgate = need_post ? dpost.data_ptr() : nullptr;
+      }
       args.dk_part = f32(dk_part);
       args.dD_part = f32(dD_part);
       args.scratch = f32(scratch);

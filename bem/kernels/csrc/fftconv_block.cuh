@@ -907,8 +907,9 @@ struct ActivationGradStore {
   const T* dy;
   const T* post;
   T* dpost;
-  float* g_keep;
+  float* g_keep;  // where g goes besides buf, or null
   float D;
+  bool with_d;
   float scale;
   bool gelu;
   BEM_FFT_FN Inputs fetch(int n) const {
@@ -917,7 +918,7 @@ struct ActivationGradStore {
     for (int e = 0; e < 2; ++e) {
       const int m = 2 * n + e;
       const bool inside = m < v.L;
-      in.v[e] = g_keep ? v.value(m) : 0.0f;
+      in.v[e] = with_d ? v.value(m) : 0.0f;
       in.dy[e] = inside ? to_f(dy[m]) : 0.0f;
       in.post[e] = post && inside ? to_f(post[m]) : 1.0f;
     }
@@ -925,7 +926,7 @@ struct ActivationGradStore {
   }
   BEM_FFT_FN float one(int m, float c, const Inputs& in, int e) const {
     if (m >= v.L) return 0.0f;
-    if (g_keep) c += D * in.v[e];
+    if (with_d) c += D * in.v[e];
     const float dyv = in.dy[e];
     if (dpost) dpost[m] = from_f<T>(dyv * (gelu ? gelu_f(c) : c));
     float g = post ? dyv * in.post[e] : dyv;
@@ -1069,15 +1070,19 @@ struct BackwardParams {
   float* dk_part;
   float* dD_part;  // (H, groups)
   float* scratch;
+  float* g_rows;  // (B, H, L) float32 g between the split passes, or null
   int B, H, L, taps, groups, rows_per_group;
   bool gelu, need_c;
 };
 
-// kPass: BackwardPass::kFused computes every gradient asked for; kInputs (du, dpregate, dD) and kFilter (dk)
-// split them between two launches when the pre-activation need not be recomputed (need_c false).
+// kPass (fftconv_pass.h): kFused computes every gradient asked for in one launch; otherwise kActivation
+// (when the pre-activation is needed) writes g to g_rows and dpostgate, then kInputs (du, dpregate, dD) and
+// kFilter (dk) read g from g_rows, or form it as dy ⊙ postgate.
 template <int M, typename T, BackwardPass kPass>
 BEM_FFT_FN void backward_body(const BackwardParams<T>& p) {
-  constexpr bool kInputs = kPass != BackwardPass::kFilter, kFilter = kPass != BackwardPass::kInputs;
+  constexpr bool kFused = kPass == BackwardPass::kFused;
+  constexpr bool kInputs = kFused || kPass == BackwardPass::kInputs;
+  constexpr bool kFilter = kFused || kPass == BackwardPass::kFilter;
   BEM_FFT_SHARED(smem);
   const BlockFft<M> fft(smem);
   fft.build_twiddles();
@@ -1086,7 +1091,7 @@ BEM_FFT_FN void backward_body(const BackwardParams<T>& p) {
   const bool dk = kFilter && p.dk_part;
   float2* V = dk ? reinterpret_cast<float2*>(mine) : nullptr;                              // 2 FFT(v) of this row
   float2* acc = dk ? reinterpret_cast<float2*>(mine) + (M + 1) : nullptr;                  // sum of G conj(V)
-  float* g_keep = kPass == BackwardPass::kFused && (p.D || p.dD_part) && p.need_c ? mine + 4 * (M + 1) : nullptr;
+  float* g_keep = kFused && (p.D || p.dD_part) && p.need_c ? mine + 4 * (M + 1) : nullptr;  // g of this row
   const int64_t items = (int64_t)p.H * p.groups;
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
     const int h = (int)(item % p.H), group = (int)(item / p.H);
@@ -1099,9 +1104,14 @@ BEM_FFT_FN void backward_body(const BackwardParams<T>& p) {
       const int64_t at = ((int64_t)b * p.H + h) * p.L;
       const GatedLoad<T> v{p.u + at, p.pre ? p.pre + at : nullptr, p.L};
       const GatedLoad<T> g{p.dy + at, p.post ? p.post + at : nullptr, p.L};  // g without the activation
-      // into L2 while the row's first transform runs: dy and the post-gate, read after it
-      prefetch_row_l2(p.dy + at, p.L, fft.t, Plan<M>::kThreads);
-      prefetch_row_l2(p.post ? p.post + at : nullptr, p.L, fft.t, Plan<M>::kThreads);
+      float* const g_row = kFused || !p.g_rows ? g_keep : p.g_rows + at;      // g as computed, or null
+      // into L2 while the row's first transform runs: what it reads after it
+      if (g_row && !kFused) {
+        prefetch_row_l2(g_row, p.L, fft.t, Plan<M>::kThreads);
+      } else {
+        prefetch_row_l2(p.dy + at, p.L, fft.t, Plan<M>::kThreads);
+        prefetch_row_l2(p.post ? p.post + at : nullptr, p.L, fft.t, Plan<M>::kThreads);
+      }
       const auto prefetch_next_row = [&] {  // into L2 while this row's last transform runs
         if (b + 1 < b1) {
           const int64_t next = at + (int64_t)p.H * p.L;
@@ -1109,27 +1119,42 @@ BEM_FFT_FN void backward_body(const BackwardParams<T>& p) {
           prefetch_row_l2(p.pre ? p.pre + next : nullptr, p.L, fft.t, Plan<M>::kThreads);
         }
       };
-      if constexpr (kPass == BackwardPass::kFused) {
+      // FFT(g) with op, g from g_rows when the activation pass wrote it
+      const auto forward_g = [&](const auto& op) {
+        if (!kFused && g_row) {
+          fft.forward(GatedLoad<float>{g_row, nullptr, p.L}, op);
+        } else {
+          fft.forward(g, op);
+        }
+      };
+      if constexpr (kFused) {
         if (p.need_c) {  // c = conv(v, k) + D v again, then g and dpost from it; g is left in buf
           fft.forward(v, ConvOp{S, V});
           fft.inverse(ActivationGradStore<M, T>{&fft, v, p.dy + at, p.post ? p.post + at : nullptr,
-                                                p.dpost ? p.dpost + at : nullptr, g_keep, D, scale, p.gelu});
+                                                p.dpost ? p.dpost + at : nullptr, g_keep, D, p.D != nullptr, scale,
+                                                p.gelu});
           fft.forward([&fft](int, int padded) { return fft.ldp(padded); }, GradOp{S, V, acc, b == b0});
         } else {
           if (V) fft.forward(v, KeepOp{nullptr, V});
           fft.forward(g, GradOp{S, V, acc, b == b0});
         }
+      } else if constexpr (kPass == BackwardPass::kActivation) {
+        fft.forward(v, ConvOp{S, nullptr});
+        prefetch_next_row();
+        fft.inverse(ActivationGradStore<M, T>{&fft, v, p.dy + at, p.post ? p.post + at : nullptr,
+                                              p.dpost ? p.dpost + at : nullptr, g_row, D, p.D != nullptr, scale,
+                                              p.gelu});
       } else if constexpr (kPass == BackwardPass::kInputs) {
-        fft.forward(g, GradOp{S, nullptr, nullptr, false});
+        forward_g(GradOp{S, nullptr, nullptr, false});
       } else {
         fft.forward(v, KeepOp{nullptr, V});
         prefetch_next_row();
-        fft.forward(g, FilterGradOp{nullptr, GradOp{nullptr, V, acc, b == b0}});
+        forward_g(FilterGradOp{nullptr, GradOp{nullptr, V, acc, b == b0}});
       }
       if constexpr (kInputs) {
         prefetch_next_row();
         dD_sum += fft.inverse(InputGradStore<T>{v, p.du ? p.du + at : nullptr, p.dpre ? p.dpre + at : nullptr, g,
-                                                g_keep, D, p.D != nullptr, p.dD_part != nullptr, scale});
+                                                g_row, D, p.D != nullptr, p.dD_part != nullptr, scale});
       }
     }
     if (kInputs && p.dD_part) {
