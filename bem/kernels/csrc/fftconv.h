@@ -50,7 +50,7 @@ struct ForwardArgs {
 // The backward (bem/kernels/fftconv/custom_ops.py has the formulas). Outputs that are null are not
 // computed. Each item (h, group of rows_per_group batch rows) writes its share of dk to dk_part, float32
 // (H, groups, taps), and of dD to dD_part, float32 (H, groups). scratch: float32, backward_blocks() *
-// backward_scratch_per_block(M), needed when dk_part is given or (D or dD_part given and need_c).
+// backward_scratch_per_block(M), needed by the kFilter pass.
 struct BackwardArgs {
   const void* dy;
   const void* u;
@@ -67,14 +67,13 @@ struct BackwardArgs {
   float* g_rows;  // float32 (B, H, L): g, written by kActivation, read by kInputs and kFilter; or null
   int B, H, L, taps, groups, rows_per_group;
   bool gelu;
-  bool need_c;  // the recomputed pre-activation is needed: GELU on, or dpostgate wanted
-  BackwardPass pass;  // kInputs and kFilter only without need_c
+  BackwardPass pass;
 };
 
 // Shared memory one block of the spectrum length M takes (195 KB at M = 16384: more than an sm_80 GPU gives
 // one block, where those lengths take the cuFFT path).
 int block_smem_bytes(int M);
-int backward_blocks(Dtype dtype, int M, int64_t items, int num_sms, BackwardPass pass);
+int backward_blocks(Dtype dtype, int M, int64_t items, int num_sms, BackwardPass pass, bool g_rows);
 int64_t backward_scratch_per_block(int M);
 cudaError_t launch_spectrum(int M, const SpectrumArgs& args, int num_sms, cudaStream_t stream);
 cudaError_t launch_forward(Dtype dtype, int M, const ForwardArgs& args, int num_sms, cudaStream_t stream);

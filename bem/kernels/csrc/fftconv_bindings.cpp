@@ -8,7 +8,6 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <climits>
-#include <cstdlib>
 #include <mutex>
 #include <stdexcept>
 #include <vector>
@@ -249,33 +248,29 @@ std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, cons
     args.L = (int)s.L;
     args.taps = (int)s.taps;
     args.gelu = gelu;
-    args.need_c = need_c;
-    // Up to three launches, each kernel the code of two transforms a row: with GELU or dpostgate wanted, the
-    // pre-activation again and from it g (float32, to g_rows) and dpostgate; the input gradients (one block
-    // per (b, h) row); dk (a block per (h, group of batch rows), summing G conj(V) over the group).
-    // BEM_FFTCONV_FUSED_BACKWARD=1 takes the single-launch kernel instead (the pre-activation's transforms
-    // and the rest in one kernel; measured slower, kept for comparison).
+    // Up to three launches, each kernel the code of two transforms a row (fftconv_pass.h): with GELU or
+    // dpostgate wanted, the pre-activation again and from it g (float32, to g_rows) and dpostgate; the input
+    // gradients (one block per (b, h) row); dk (a block per (h, group of batch rows), summing G conj(V) over
+    // the group).
     const bool inputs_wanted = need_u || need_pre || need_D;
-    const char* fused_env = std::getenv("BEM_FFTCONV_FUSED_BACKWARD");
-    const bool fused = need_c && fused_env != nullptr && fused_env[0] == '1';
     Tensor g_rows;
-    if (need_c && !fused) {
+    if (need_c) {
       g_rows = at::empty({s.B, s.H, s.L}, u.options().dtype(at::kFloat));
       args.pass = fc::BackwardPass::kActivation;
       args.groups = (int)s.B;
       args.rows_per_group = 1;
       args.g_rows = g_rows.data_ptr<float>();
       args.dpostgate = need_post ? dpost.data_ptr() : nullptr;
-      const int blocks = fc::backward_blocks(s.dtype, (int)s.M, s.H * s.B, sms, args.pass);
+      const int blocks = fc::backward_blocks(s.dtype, (int)s.M, s.H * s.B, sms, args.pass, true);
       FFTCONV_CHECK(blocks > 0, "the backward kernel does not fit this GPU");
       C10_CUDA_CHECK(fc::launch_backward(s.dtype, (int)s.M, args, blocks, stream_now()));
       args.dpostgate = nullptr;
     }
-    if (!fused && inputs_wanted) {
+    if (inputs_wanted) {
       args.pass = fc::BackwardPass::kInputs;
       args.groups = (int)s.B;
       args.rows_per_group = 1;
-      const int blocks = fc::backward_blocks(s.dtype, (int)s.M, s.H * s.B, sms, args.pass);
+      const int blocks = fc::backward_blocks(s.dtype, (int)s.M, s.H * s.B, sms, args.pass, need_c);
       FFTCONV_CHECK(blocks > 0, "the backward kernel does not fit this GPU");
       Tensor dD_part = need_D ? at::empty({s.H, s.B}, u.options().dtype(at::kFloat)) : Tensor();
       args.du = need_u ? du.data_ptr() : nullptr;
@@ -286,35 +281,23 @@ std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, cons
       args.du = args.dpregate = nullptr;
       args.dD_part = nullptr;
     }
-    if (fused || need_k) {
-      args.pass = fused ? fc::BackwardPass::kFused : fc::BackwardPass::kFilter;
-      // one block per (h, group of batch rows): as many groups as fill the GPU once, dk and dD summed after
-      const int full = fc::backward_blocks(s.dtype, (int)s.M, INT_MAX, sms, args.pass);
+    if (need_k) {
+      args.pass = fc::BackwardPass::kFilter;
+      // a block per (h, group of batch rows): as many groups as fill the GPU once, the groups' dk summed after
+      const int full = fc::backward_blocks(s.dtype, (int)s.M, INT_MAX, sms, args.pass, need_c);
       FFTCONV_CHECK(full > 0, "the backward kernel does not fit this GPU");
       const int64_t wanted = std::min<int64_t>(s.B, std::max<int64_t>(1, (full + s.H - 1) / s.H));
       const int64_t rows_per_group = (s.B + wanted - 1) / wanted;
       const int64_t groups = (s.B + rows_per_group - 1) / rows_per_group;
-      const int blocks = fc::backward_blocks(s.dtype, (int)s.M, s.H * groups, sms, args.pass);
-      const bool fused_D = fused && need_D;
-      const bool scratch_needed = need_k || ((D.has_value() || need_D) && fused);
-      Tensor scratch = scratch_needed ? at::empty({blocks * fc::backward_scratch_per_block((int)s.M)},
-                                                  u.options().dtype(at::kFloat))
-                                      : Tensor();
-      Tensor dk_part = need_k ? at::empty({s.H, groups, s.taps}, u.options().dtype(at::kFloat)) : Tensor();
-      Tensor dD_part = fused_D ? at::empty({s.H, groups}, u.options().dtype(at::kFloat)) : Tensor();
-      if (fused) {
-        args.du = need_u ? du.data_ptr() : nullptr;
-        args.dpregate = need_pre ? dpre.data_ptr() : nullptr;
-        args.dpostgate = need_post ? dpost.data_ptr() : nullptr;
-      }
+      const int blocks = fc::backward_blocks(s.dtype, (int)s.M, s.H * groups, sms, args.pass, need_c);
+      Tensor scratch = at::empty({blocks * fc::backward_scratch_per_block((int)s.M)}, u.options().dtype(at::kFloat));
+      Tensor dk_part = at::empty({s.H, groups, s.taps}, u.options().dtype(at::kFloat));
       args.dk_part = f32(dk_part);
-      args.dD_part = f32(dD_part);
       args.scratch = f32(scratch);
       args.groups = (int)groups;
       args.rows_per_group = (int)rows_per_group;
       C10_CUDA_CHECK(fc::launch_backward(s.dtype, (int)s.M, args, blocks, stream_now()));
-      if (need_k) dk = dk_of(dk_part.sum(1), k);
-      if (fused_D) dD = dD_part.sum(1).to(D->scalar_type());
+      dk = dk_of(dk_part.sum(1), k);
     }
     return {out(du), out(dk), out(dD), out(dpre), out(dpost)};
   }

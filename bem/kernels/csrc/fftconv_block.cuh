@@ -1052,9 +1052,9 @@ BEM_FFT_FN void forward_body(const ForwardParams<T>& p) {
   }
 }
 
-// scratch per block: V (M + 1 float2), acc (M + 1 float2), g (M floats)
+// scratch per block of the filter's pass: V (M + 1 float2), acc (M + 1 float2)
 template <int M>
-BEM_FFT_HD constexpr int64_t backward_scratch_floats() { return 4 * (M + 1) + M; }
+BEM_FFT_HD constexpr int64_t backward_scratch_floats() { return 4 * (M + 1); }
 
 template <typename T>
 struct BackwardParams {
@@ -1072,26 +1072,22 @@ struct BackwardParams {
   float* scratch;
   float* g_rows;  // (B, H, L) float32 g between the split passes, or null
   int B, H, L, taps, groups, rows_per_group;
-  bool gelu, need_c;
+  bool gelu;
 };
 
-// kPass (fftconv_pass.h): kFused computes every gradient asked for in one launch; otherwise kActivation
-// (when the pre-activation is needed) writes g to g_rows and dpostgate, then kInputs (du, dpregate, dD) and
-// kFilter (dk) read g from g_rows, or form it as dy ⊙ postgate.
-template <int M, typename T, BackwardPass kPass>
+// kPass (fftconv_pass.h): kActivation writes g to g_rows (and dpostgate), kInputs computes du, dpregate and dD's
+// shares, kFilter dk's. kGRows: g is read from g_rows (written by kActivation), else formed as dy ⊙ postgate.
+template <int M, typename T, BackwardPass kPass, bool kGRows>
 BEM_FFT_FN void backward_body(const BackwardParams<T>& p) {
-  constexpr bool kFused = kPass == BackwardPass::kFused;
-  constexpr bool kInputs = kFused || kPass == BackwardPass::kInputs;
-  constexpr bool kFilter = kFused || kPass == BackwardPass::kFilter;
+  static_assert(kGRows || kPass != BackwardPass::kActivation, "the activation pass writes g_rows");
   BEM_FFT_SHARED(smem);
   const BlockFft<M> fft(smem);
   fft.build_twiddles();
   const float scale = 1.0f / (4.0f * M);
-  float* mine = p.scratch + (int64_t)blockIdx.x * backward_scratch_floats<M>();
-  const bool dk = kFilter && p.dk_part;
-  float2* V = dk ? reinterpret_cast<float2*>(mine) : nullptr;                              // 2 FFT(v) of this row
-  float2* acc = dk ? reinterpret_cast<float2*>(mine) + (M + 1) : nullptr;                  // sum of G conj(V)
-  float* g_keep = kFused && (p.D || p.dD_part) && p.need_c ? mine + 4 * (M + 1) : nullptr;  // g of this row
+  const bool dk = kPass == BackwardPass::kFilter && p.dk_part;
+  float* mine = dk ? p.scratch + (int64_t)blockIdx.x * backward_scratch_floats<M>() : nullptr;
+  float2* V = reinterpret_cast<float2*>(mine);                                 // 2 FFT(v) of this row
+  float2* acc = dk ? reinterpret_cast<float2*>(mine) + (M + 1) : nullptr;      // sum of G conj(V)
   const int64_t items = (int64_t)p.H * p.groups;
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
     const int h = (int)(item % p.H), group = (int)(item / p.H);
@@ -1104,9 +1100,9 @@ BEM_FFT_FN void backward_body(const BackwardParams<T>& p) {
       const int64_t at = ((int64_t)b * p.H + h) * p.L;
       const GatedLoad<T> v{p.u + at, p.pre ? p.pre + at : nullptr, p.L};
       const GatedLoad<T> g{p.dy + at, p.post ? p.post + at : nullptr, p.L};  // g without the activation
-      float* const g_row = kFused || !p.g_rows ? g_keep : p.g_rows + at;      // g as computed, or null
+      float* const g_row = kGRows ? p.g_rows + at : nullptr;
       // into L2 while the row's first transform runs: what it reads after it
-      if (g_row && !kFused) {
+      if (kGRows && kPass != BackwardPass::kActivation) {
         prefetch_row_l2(g_row, p.L, fft.t, Plan<M>::kThreads);
       } else {
         prefetch_row_l2(p.dy + at, p.L, fft.t, Plan<M>::kThreads);
@@ -1119,26 +1115,14 @@ BEM_FFT_FN void backward_body(const BackwardParams<T>& p) {
           prefetch_row_l2(p.pre ? p.pre + next : nullptr, p.L, fft.t, Plan<M>::kThreads);
         }
       };
-      // FFT(g) with op, g from g_rows when the activation pass wrote it
-      const auto forward_g = [&](const auto& op) {
-        if (!kFused && g_row) {
+      const auto forward_g = [&](const auto& op) {  // FFT(g), then op on its bins
+        if constexpr (kGRows) {
           fft.forward(GatedLoad<float>{g_row, nullptr, p.L}, op);
         } else {
           fft.forward(g, op);
         }
       };
-      if constexpr (kFused) {
-        if (p.need_c) {  // c = conv(v, k) + D v again, then g and dpost from it; g is left in buf
-          fft.forward(v, ConvOp{S, V});
-          fft.inverse(ActivationGradStore<M, T>{&fft, v, p.dy + at, p.post ? p.post + at : nullptr,
-                                                p.dpost ? p.dpost + at : nullptr, g_keep, D, p.D != nullptr, scale,
-                                                p.gelu});
-          fft.forward([&fft](int, int padded) { return fft.ldp(padded); }, GradOp{S, V, acc, b == b0});
-        } else {
-          if (V) fft.forward(v, KeepOp{nullptr, V});
-          fft.forward(g, GradOp{S, V, acc, b == b0});
-        }
-      } else if constexpr (kPass == BackwardPass::kActivation) {
+      if constexpr (kPass == BackwardPass::kActivation) {  // c = conv(v, k) + D v again; g and dpost from it
         fft.forward(v, ConvOp{S, nullptr});
         prefetch_next_row();
         fft.inverse(ActivationGradStore<M, T>{&fft, v, p.dy + at, p.post ? p.post + at : nullptr,
@@ -1146,18 +1130,16 @@ BEM_FFT_FN void backward_body(const BackwardParams<T>& p) {
                                               p.gelu});
       } else if constexpr (kPass == BackwardPass::kInputs) {
         forward_g(GradOp{S, nullptr, nullptr, false});
+        prefetch_next_row();
+        dD_sum += fft.inverse(InputGradStore<T>{v, p.du ? p.du + at : nullptr, p.dpre ? p.dpre + at : nullptr, g,
+                                                g_row, D, p.D != nullptr, p.dD_part != nullptr, scale});
       } else {
         fft.forward(v, KeepOp{nullptr, V});
         prefetch_next_row();
         forward_g(FilterGradOp{nullptr, GradOp{nullptr, V, acc, b == b0}});
       }
-      if constexpr (kInputs) {
-        prefetch_next_row();
-        dD_sum += fft.inverse(InputGradStore<T>{v, p.du ? p.du + at : nullptr, p.dpre ? p.dpre + at : nullptr, g,
-                                                g_row, D, p.D != nullptr, p.dD_part != nullptr, scale});
-      }
     }
-    if (kInputs && p.dD_part) {
+    if (kPass == BackwardPass::kInputs && p.dD_part) {
       const double total = fft.block_sum(dD_sum);
       if (fft.t == 0) p.dD_part[(int64_t)h * p.groups + group] = (float)total;
     }

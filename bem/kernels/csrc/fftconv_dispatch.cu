@@ -33,10 +33,10 @@ int block_smem_bytes(int M) {
   return bytes;
 }
 
-int backward_blocks(Dtype dtype, int M, int64_t items, int num_sms, BackwardPass pass) {
+int backward_blocks(Dtype dtype, int M, int64_t items, int num_sms, BackwardPass pass, bool g_rows) {
   int blocks = 0;
   with_dtype(dtype, [&](auto zero) {
-    blocks = backward_blocks_typed<decltype(zero)>(M, items, num_sms, pass);
+    blocks = backward_blocks_typed<decltype(zero)>(M, items, num_sms, pass, g_rows);
     return cudaSuccess;
   });
   return blocks;

@@ -60,7 +60,7 @@ namespace fftconv {
 template <typename T>
 cudaError_t launch_forward_typed(int M, const ForwardArgs& args, int num_sms, cudaStream_t stream);
 template <typename T>
-int backward_blocks_typed(int M, int64_t items, int num_sms, BackwardPass pass);
+int backward_blocks_typed(int M, int64_t items, int num_sms, BackwardPass pass, bool g_rows);
 template <typename T>
 cudaError_t launch_backward_typed(int M, const BackwardArgs& args, int blocks, cudaStream_t stream);
 
