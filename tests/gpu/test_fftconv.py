@@ -123,8 +123,16 @@ def test_backward_within_twice_pytorchs_error(B, H, L, Lk, gates, D, gelu, dtype
     for name, mine, theirs, exact, leaf in zip(names, ours, pytorch, ref, [t for t in operands if t is not None]):
         assert mine.dtype == leaf.dtype and mine.shape == leaf.shape, name
         err, torch_err = rel_err(mine, exact), rel_err(theirs, exact)
-        floor = _dD_floor(operands, grad_y, gelu, exact) if name == "dD" else 0.0
+        floor = _dD_floor(operands, grad_y, gelu, exact) if name == "dD" else _float32_floor(leaf.dtype)
         assert err <= bound(max(torch_err, floor), leaf.dtype), f"{name}: error {err:.3g}, PyTorch's {torch_err:.3g}"
+
+
+def _float32_floor(dtype: torch.dtype) -> float:
+    """In float32 a gradient passes two or three transforms (the pre-activation's, FFT(g), the inverse), each
+    rounding every value: one ulp of relative error (two unit roundoffs) is what any FFT path may show where
+    PyTorch's happens to err less on a handful of outputs (L = 1, 14 values: the kernel 1.22e-7, PyTorch's
+    rfft path 3.2e-8). In half precision the output's own rounding is larger and bound()'s floor holds."""
+    return torch.finfo(torch.float32).eps if dtype == torch.float32 else 0.0
 
 
 def _dD_floor(operands, grad_y, gelu, dD64):
