@@ -7,11 +7,32 @@ forward+backward (bf16 u and k, float32 D, both gates), at the benchmark's shape
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
 import torch
 
 from bem.kernels.fftconv import dispatch
 from profiled_kernels import kernel_times
+
+
+def workloads(spec: str) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The op's forward (no grad) and forward+backward at B x H x L = spec, on fresh random operands: bf16 u, k
+    and gates, float32 D (also what scripts/fftconv_ncu.py profiles)."""
+    B, H, L = (int(x) for x in spec.split("x"))
+    u = torch.randn(B, H, L, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = (torch.randn(H, L, device="cuda") / L**0.5).to(torch.bfloat16).requires_grad_()
+    D = torch.randn(H, device="cuda", requires_grad=True)
+    pre, post = (torch.randn(B, H, L, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    dy = torch.randn_like(u)
+
+    def fwd() -> None:
+        with torch.no_grad():
+            dispatch.fftconv(u, k, D, pre, post)
+
+    def fwd_bwd() -> None:
+        torch.autograd.grad(dispatch.fftconv(u, k, D, pre, post), (u, k, D, pre, post), dy)
+
+    return fwd, fwd_bwd
 
 
 def main() -> None:
@@ -20,21 +41,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=10)
     args = parser.parse_args()
     for spec in args.shapes.split(","):
-        B, H, L = (int(x) for x in spec.split("x"))
-        u = torch.randn(B, H, L, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k = (torch.randn(H, L, device="cuda") / L**0.5).to(torch.bfloat16).requires_grad_()
-        D = torch.randn(H, device="cuda", requires_grad=True)
-        pre, post = (torch.randn(B, H, L, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-        dy = torch.randn_like(u)
-
-        def fwd():
-            with torch.no_grad():
-                dispatch.fftconv(u, k, D, pre, post)
-
-        def fwd_bwd():
-            torch.autograd.grad(dispatch.fftconv(u, k, D, pre, post), (u, k, D, pre, post), dy)
-
-        for label, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+        for label, fn in zip(("fwd", "fwd+bwd"), workloads(spec)):
             times = kernel_times(fn, args.calls)
             print(f"== {spec} {label}: {sum(times.values()):.1f} us of kernels per call")
             for name, us in sorted(times.items(), key=lambda kv: -kv[1])[:12]:
