@@ -7,7 +7,7 @@
 #include <cuda_runtime.h>
 
 #include "fftconv.h"
-#include "fftconv_block.cuh"
+#include "fftconv_rows.cuh"
 
 namespace bem {
 namespace fftconv {
