@@ -7,6 +7,7 @@
 #include <cooperative_groups.h>
 
 #include "common.cuh"
+#include "l2_prefetch.cuh"
 #include "launchers.h"
 
 namespace bem {
@@ -34,8 +35,6 @@ __device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontr
 // Returns once the launch this one depends on has finished and its writes are visible (at once when
 // this grid was launched without a programmatic dependency: the stream's order already holds).
 __device__ __forceinline__ void wait_for_prerequisite() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-// Warms L2 with the line at p; nothing is read into the thread, so it may run before the wait above.
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 
 // One warp's share of X V over a block's slice [k_begin, k_end) of K: tokens as the m16 rows of
 // mma.sync, 8 ranks per n8 tile; warp w takes rank tile w / kparts over every kparts-th chunk.

@@ -48,6 +48,8 @@
 
 #include <cstdint>
 
+#include "l2_prefetch.cuh"
+
 namespace bem {
 namespace fftconv {
 
@@ -84,14 +86,8 @@ inline void copy_async8(float2* smem, const float2* global) {
 inline void wait_async_copies() {}
 #endif
 
-// Asks L2 for the line holding p (no register, no wait): inputs read later in a row, and the next row's.
-#if defined(__CUDACC__)
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-#else
-inline void prefetch_l2(const void*) {}
-#endif
-
-// The lines of row[0 .. n), spread over the block's threads.
+// The lines of row[0 .. n) into L2 (prefetch_l2), spread over the block's threads: inputs read later in a row,
+// and the next row's.
 template <typename T>
 BEM_FFT_FN void prefetch_row_l2(const T* row, int64_t n, int t, int threads) {
   if (row == nullptr) return;
