@@ -93,6 +93,9 @@ class CallHooks:
 
     def _before_model(self, module: nn.Module, args: tuple, kwargs: dict):
         captured = self.generate_masks.take()
+        pack = self.context.pack
+        if pack is not None and torch.compiler.is_compiling() and not torch.is_grad_enabled():
+            self.context.weights = pack.weights()  # one compiled input for every module's V and U
         if (self.controller is None and not self.stateful_blocks) or not self.context.enabled:
             self.call = None
             return None
@@ -176,6 +179,7 @@ class CallHooks:
 
     def _after_model(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
         call, self.call = self.call, None
+        self.context.weights = None  # views the compiled call made: not returned from it
         if call is not None and not torch.is_grad_enabled():
             # the codes served this call only; a backward's recompute (activation checkpointing) would need
             # them, but no backward follows an inference call

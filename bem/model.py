@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from .config import HierarchicalBEMConfig
+from .modules.adapter_pack import AdapterPack
 from .modules.bem_linear import BEMLinear, RoutingContext
 from .modules.controller import HierarchicalController
 from .modules.mixers import MixerBlock, attach as attach_mixers, resolve_layers
@@ -204,12 +205,22 @@ class BEMModel(nn.Module):
         implementation works (dynamic, static, and generate's compiled decoding of static caches)."""
         self._hooks.pending_side_signals = side_signals
         self._hooks.side_signals_follow_expansion = True  # generate repeats rows for beams and samples
+        self.context.pack = self._adapter_pack() if self.context.enabled else None
         try:
             with capture_generate_masks(self.base_model, self._hooks.generate_masks):
                 return self.base_model.generate(*args, **kwargs)
         finally:
             self._hooks.pending_side_signals = None
             self._hooks.side_signals_follow_expansion = False
+            self.context.pack, self.context.weights = None, None
+
+    def _adapter_pack(self) -> Optional[AdapterPack]:
+        """The adapters in one buffer, up to date, for generate's compiled decoding step; None where they do not
+        share a dtype and device. Made at the first `generate`, so a model that never generates keeps no copy."""
+        pack = self.__dict__.get("_pack")
+        if pack is None:
+            pack = self.__dict__["_pack"] = AdapterPack([module for _, module in self.bem_modules()])
+        return pack if pack.refresh() else None
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -4,7 +4,7 @@
 # Usage: bash scripts/gpu_validate.sh [probe] [errors] [kernel-tests] [gpu-tests] [gpu-tests-isolated]
 #        [mixer-tests] [mixer-errors]
 #        [fftconv-bench] [mlstm-bench] [mlstm-tests] [training-tests] [sweep] [profile] [train] [train-sweep] [breakdown]
-#        [prefill-breakdown] [compiled-breakdown] [controller-profile] [host-cost] [host-cost-ranks] [gemm-tests] [decode-tests] [train-repeat-probe] [inference-tests] [eager-sweep] [compiled-sweep] [compiled-host]
+#        [prefill-breakdown] [compiled-breakdown] [controller-profile] [host-cost] [host-cost-ranks] [gemm-tests] [decode-tests] [train-repeat-probe] [inference-tests] [eager-sweep] [compiled-sweep] [compiled-sweep-pack-off] [compiled-host]
 #        [bench] [bench-shapes] [mode-sweep] [conv1d-sweep] [decode-split-sweep] [conv1d-split-sweep] [backward-sweep] [sass] [ncu] [cpu-tests]   (bench-shapes reads
 #        BENCH_SHAPES, e.g. 1x4096x4096x8,...; the sweeps read SWEEP_SHAPES the same way, or sweep their
 #        default shapes; prefill-breakdown reads BREAKDOWN_MODEL: llama-1b or gpt2; sweep reads SWEEP_CONFIGS,
@@ -98,7 +98,7 @@ for what in "$@"; do
     # the compiled-decoding settings only (no prefill, eager decoding or training; at most
     # COMPILED_MAX_SECONDS of timed repeats a setting; COMPILED_BATCHES, e.g. 1,16, instead of the config's
     # batch sizes; COMPILED_LORA=0 leaves the LoRA peer out): copies of the configs named in SWEEP_CONFIGS
-    compiled-sweep) mkdir -p /tmp/compiled_configs && paths=()
+    compiled-sweep|compiled-sweep-pack-off) mkdir -p /tmp/compiled_configs && paths=()
       for name in ${SWEEP_CONFIGS//,/ }; do
         python3 -c 'import sys, yaml
 name, seconds = sys.argv[1], float(sys.argv[2])
@@ -113,7 +113,11 @@ yaml.safe_dump(config, open(f"/tmp/compiled_configs/profile_{name}.yaml", "w"), 
           "$name" "${COMPILED_MAX_SECONDS:-10.0}" "${COMPILED_BATCHES:-}" "${COMPILED_LORA:-1}"
         paths+=("/tmp/compiled_configs/profile_$name.yaml")
       done
-      step compiled_sweep ${SWEEP_LIMIT:-540} python3 profile.py --sweep "$(IFS=,; echo "${paths[*]}")" --output-dir "$OUT" ;;
+      # compiled-sweep-pack-off: the same sweep without the adapter pack (scripts/profile_pack_off.py)
+      off=${what#compiled-sweep}
+      step "compiled_sweep${off//-/_}" ${SWEEP_LIMIT:-540} env PYTHONPATH=. python3 \
+        "$([ -n "$off" ] && echo scripts/profile_pack_off.py || echo profile.py)" \
+        --sweep "$(IFS=,; echo "${paths[*]}")" --output-dir "$OUT/sweep${off//-/_}" ;;
     profile) step profile 300 python3 profile.py --config configs/profile_llama_1b.yaml --output-dir "$OUT" ;;
     train) step train 300 python3 benchmarks/train_throughput.py --config configs/profile_llama_1b.yaml \
         --json "$OUT/train.json" ;;

@@ -9,7 +9,7 @@ the update itself goes through `bem.kernels.ops`, the single kernel/reference di
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -17,22 +17,30 @@ from transformers.pytorch_utils import Conv1D
 
 from ..kernels import ops
 
+if TYPE_CHECKING:
+    from .adapter_pack import AdapterPack
+
 
 class RoutingContext:
     """Per-model scratch space shared by the controller and every `BEMLinear`.
 
     `codes` holds the current forward's codes, one (*leading_dims, rank) tensor per module; `None`
     means routing is off (every code is one). `enabled` False makes every wrapped layer its bare base.
+    `pack` is the model's `AdapterPack` while `generate` runs, and `weights` each module's (V, U) as views of
+    it during a compiled no-grad call (None otherwise: the modules read their parameters).
     """
 
     def __init__(self) -> None:
         self.enabled: bool = True
         self.codes: Optional[Sequence[torch.Tensor]] = None
+        self.pack: Optional["AdapterPack"] = None
+        self.weights: Optional[Sequence[tuple[torch.Tensor, torch.Tensor]]] = None
 
     def __getstate__(self) -> dict:
-        # The codes are one forward's scratch, part of its autograd graph: a copied or pickled model
-        # starts without them (deepcopy refuses tensors that are not graph leaves).
-        return {"enabled": self.enabled, "codes": None}
+        # The codes are one forward's scratch, part of its autograd graph, and the pack and its views belong to a
+        # running `generate`: a copied or pickled model starts without them (deepcopy refuses tensors that are not
+        # graph leaves).
+        return {"enabled": self.enabled, "codes": None, "pack": None, "weights": None}
 
     def set_codes(self, codes: torch.Tensor) -> None:
         """codes: (num_modules, *leading_dims, rank), split once per forward."""
@@ -134,6 +142,8 @@ class BEMLinear(nn.Module):
         if not context.enabled:
             return self._modules["base_layer"](x)
         codes = None if context.codes is None else context.codes[self.module_index]
+        if context.weights is not None:  # compiled, no grad, inside generate: V and U from the adapter pack
+            return self._forward_checked(x, codes, context.weights[self.module_index])
         params = self._parameters
         V = params["bem_V"]
         # Inference in V's dtype (grad mode, tracing, autocast and device: `_inference_call`) goes straight to
@@ -150,25 +160,29 @@ class BEMLinear(nn.Module):
                 return y
         return self._forward_checked(x, codes)
 
-    def _forward_checked(self, x: torch.Tensor, codes: Optional[torch.Tensor]) -> torch.Tensor:
-        """Every other call: codes laid out as x, autocast, casts, dropout, layers with their own forward."""
+    def _forward_checked(self, x: torch.Tensor, codes: Optional[torch.Tensor],
+                         packed: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """Every other call: codes laid out as x, autocast, casts, dropout, layers with their own forward.
+        `packed`: this module's (V, U) read from the adapter pack, equal to its parameters."""
         if codes is not None and codes.shape[:-1] != x.shape[:-1]:
             codes = self._reshape_codes(codes, x)
         if torch.is_autocast_enabled("cuda") if x.is_cuda else torch.is_autocast_enabled(x.device.type):
             return self._forward_autocast(x, codes)
         params = self._parameters
-        V = params["bem_V"]
+        V, U = packed if packed is not None else (params["bem_V"], params["bem_U"])
         if x.dtype != V.dtype or (self.has_dropout and self.training) or not self.owns_product:
             return self._forward_base_plus_update(x, codes, V.dtype)
         if codes is not None and codes.dtype != V.dtype:
             codes = codes.to(V.dtype)
-        return self._fused(x, V, codes, params["bem_U"])
+        return self._fused(x, V, codes, U, own_v=packed is None)
 
-    def _fused(self, x: torch.Tensor, V: torch.Tensor, codes: Optional[torch.Tensor], U: torch.Tensor) -> torch.Tensor:
+    def _fused(self, x: torch.Tensor, V: torch.Tensor, codes: Optional[torch.Tensor], U: torch.Tensor,
+               own_v: bool) -> torch.Tensor:
+        """own_v: V is this module's parameter (not a cast copy, not the adapter pack's view), whose transpose
+        the module keeps for the prefill kernels."""
         weight, bias = self._base_weight_and_bias()
-        keeper = self._v_t if V is self._parameters["bem_V"] else None  # not for a cast copy of V
         return ops.bem_linear(x, weight.t() if self.is_conv1d else weight, bias, V, codes, U, self.scaling,
-                              self.use_fused_kernels, v_t=keeper)
+                              self.use_fused_kernels, v_t=self._v_t if own_v else None)
 
     def _base_weight_and_bias(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         base = self._modules["base_layer"]
@@ -192,8 +206,10 @@ class BEMLinear(nn.Module):
         if plain and weight.dtype == dtype and x.dtype in (dtype, torch.float32):
             x = x.to(dtype)
             codes = None if codes is None else codes.to(dtype)
+            V = self.bem_V
+            V_cast = V.to(dtype)
             with torch.autocast(x.device.type, enabled=False):
-                return self._fused(x, self.bem_V.to(dtype), codes, self.bem_U.to(dtype))
+                return self._fused(x, V_cast, codes, self.bem_U.to(dtype), own_v=V_cast is V)
         return self._forward_base_plus_update(x, codes, dtype)
 
     def _forward_base_plus_update(self, x: torch.Tensor, codes: Optional[torch.Tensor],

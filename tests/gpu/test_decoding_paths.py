@@ -90,6 +90,26 @@ def test_static_cache_and_compiled_decoding_equal_the_full_forward(arch, dtype):
     assert hasattr(model.base_model, "_compiled_call")  # generate did compile the decoding step
 
 
+def test_compiled_decoding_reads_adapters_written_between_generates():
+    """The compiled step's CUDA graphs read V and U from the adapter pack in place: adapters written after one
+    generate (as a training step writes them) are what the next generate's replays compute with."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch._dynamo.reset()
+    model = wrapped("llama", torch.float32)
+    ids, mask = prompts()
+    options = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                   return_dict_in_generate=True, output_logits=True, cache_implementation="static")
+    before = model.generate(ids, **options)
+    flat = model._pack.flat
+    with torch.no_grad():
+        for _, module in model.bem_modules():
+            module.bem_U.mul_(-2.0)
+    after = model.generate(ids, **options)
+    assert model._pack.flat is flat  # refreshed in place: the same address, the same graphs
+    assert not torch.equal(torch.stack(before.logits, 1), torch.stack(after.logits, 1))
+    check_tokens(model, after.sequences, mask, torch.stack(after.logits, 1).float(), torch.float32)
+
+
 def test_a_users_reduce_overhead_decode_loop_with_a_static_cache():
     torch._dynamo.reset()
     model = wrapped("llama", torch.float32)

@@ -1,0 +1,79 @@
+"""Every wrapped layer's V and U in one buffer, for `generate`'s compiled decoding step.
+
+A compiled call takes each tensor it reads from a module as an input of its own, and pays for each one on
+every call: its guards (the tensor's dtype, device, shape, strides and five dynamic-dimension markings), the
+bytecode that gathers it, and CUDA-graph replay's check of its address. A model with 210 wrapped linears
+brings 420 such tensors besides the base's ~270 (SmolLM-135M's shapes). Inside `generate`, BEM's no-grad
+compiled calls read V and U as views of this one buffer instead: one input.
+
+The buffer is a copy. `refresh()`, called as each `generate` starts (outside any compiled call), copies the
+parameters in again whenever one of them was written (its version counter) or replaced (its address) since
+the last copy, so a compiled call never reads adapters older than the parameters. The buffer keeps its
+address, which CUDA-graph replays rely on, for as long as the adapters keep their dtype, device and shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+ALIGN = 64  # elements: each view starts 128-byte aligned (or more) in the buffer, as the kernels' loads want
+
+
+class AdapterPack:
+    """One buffer holding the V and U of `modules` (each with `bem_V` (K, r) and `bem_U` (N, r))."""
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        self._modules = list(modules)
+        self.flat: Optional[torch.Tensor] = None
+        # (V's offset, K, U's offset, N, r) per module, in module order: constants of the compiled call
+        self.layout: tuple[tuple[int, int, int, int, int], ...] = ()
+        self._seen: Optional[list[tuple[int, int]]] = None
+
+    def _parameters(self) -> list[torch.Tensor]:
+        return [p for m in self._modules for p in (m._parameters["bem_V"], m._parameters["bem_U"])]
+
+    def refresh(self) -> bool:
+        """Bring the buffer up to date with the parameters. False (and no buffer) where the adapters do not share
+        one dtype and device, or none are floating point: the compiled call then reads the parameters."""
+        params = self._parameters()
+        if not params:
+            return False
+        first = params[0]
+        if (not first.is_floating_point() or first.device.type == "meta"
+                or any(p.dtype != first.dtype or p.device != first.device for p in params)):
+            self.flat, self._seen = None, None
+            return False
+        layout, size = [], 0
+        for m in self._modules:
+            (K, r), N = m._parameters["bem_V"].shape, m._parameters["bem_U"].shape[0]
+            v_at = size
+            size += -(-K * r // ALIGN) * ALIGN
+            layout.append((v_at, K, size, N, r))
+            size += -(-N * r // ALIGN) * ALIGN
+        layout_t = tuple(layout)
+        flat = self.flat
+        if flat is None or layout_t != self.layout or flat.dtype != first.dtype or flat.device != first.device:
+            flat = torch.zeros(size, dtype=first.dtype, device=first.device)
+            # a fixed address: CUDA-graph replays read it in place instead of copying it in before each replay
+            torch._dynamo.mark_static_address(flat)
+            self.flat, self.layout, self._seen = flat, layout_t, None
+        seen = [(p.data_ptr(), p._version) for p in params]
+        if seen != self._seen:
+            with torch.no_grad():
+                torch._foreach_copy_(self._views(flat), [p.detach() for p in params])
+            self._seen = seen
+        return True
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        out = []
+        for v_at, K, u_at, N, r in self.layout:
+            out += [flat[v_at:v_at + K * r].view(K, r), flat[u_at:u_at + N * r].view(N, r)]
+        return out
+
+    def weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(V, U) of each module, views of the buffer (traced into the compiled call as slices of one input)."""
+        views = self._views(self.flat)
+        return list(zip(views[0::2], views[1::2]))
