@@ -39,16 +39,21 @@ def compiled_generate(model, ids, mask, graphs: list):
     return generate(model, ids, mask, cache_implementation="static", compile_config=config)
 
 
-def test_the_compiled_step_takes_the_pack_instead_of_each_v_and_u(load_base):
-    torch._dynamo.reset()
-    model = wrapped(load_base, seed=1)
-    ids, mask = left_padded(seed=2)
+def assert_compiled_generate_is_exact(model, ids, mask) -> list:
+    """generate's compiled step gives the full forward's tokens and logits; returns the graphs' inputs."""
     expected, expected_logits = full_forward_greedy(model, ids, mask)
     graphs: list = []
     tokens, logits = compiled_generate(model, ids, mask, graphs)
     assert torch.equal(tokens, expected)
     assert (logits - expected_logits).abs().max().item() < 1e-5
     assert graphs, "generate compiled no decoding step"
+    return graphs
+
+
+def test_the_compiled_step_takes_the_pack_instead_of_each_v_and_u(load_base):
+    torch._dynamo.reset()
+    model = wrapped(load_base, seed=1)
+    graphs = assert_compiled_generate_is_exact(model, *left_padded(seed=2))
     storages = {t.untyped_storage().data_ptr() for t in graphs[-1] if isinstance(t, torch.Tensor)}
     adapters = {p.untyped_storage().data_ptr() for p in adapter_parameters(model)}
     assert not storages & adapters, "a wrapped layer's V or U is still an input of its own"
@@ -66,10 +71,7 @@ def test_the_pack_follows_parameters_written_in_place_or_replaced(load_base):
     with torch.no_grad():
         first.bem_U.add_(0.5)  # as an optimizer step writes
     last.bem_V.data = torch.randn_like(last.bem_V)  # a new tensor behind the same parameter
-    expected, expected_logits = full_forward_greedy(model, ids, mask)
-    tokens, logits = compiled_generate(model, ids, mask, [])
-    assert torch.equal(tokens, expected)
-    assert (logits - expected_logits).abs().max().item() < 1e-5
+    assert_compiled_generate_is_exact(model, ids, mask)
 
 
 def test_adapters_of_mixed_dtypes_are_not_packed_and_generate_stays_exact(load_base):
@@ -79,12 +81,7 @@ def test_adapters_of_mixed_dtypes_are_not_packed_and_generate_stays_exact(load_b
     module.bem_V.data = module.bem_V.data.double()
     module.bem_U.data = module.bem_U.data.double()
     assert model._adapter_pack() is None
-    ids, mask = left_padded(seed=6)
-    expected, expected_logits = full_forward_greedy(model, ids, mask)
-    graphs: list = []
-    tokens, logits = compiled_generate(model, ids, mask, graphs)
-    assert torch.equal(tokens, expected)
-    assert (logits - expected_logits).abs().max().item() < 1e-5
+    graphs = assert_compiled_generate_is_exact(model, *left_padded(seed=6))
     storages = {t.untyped_storage().data_ptr() for t in graphs[-1] if isinstance(t, torch.Tensor)}
     assert module.bem_V.untyped_storage().data_ptr() in storages  # read as the parameter it is
 
