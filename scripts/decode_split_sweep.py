@@ -10,7 +10,8 @@ that keeps at least 64 columns of K a block and runs in one wave (`decode_stream
 answers: which kernel, and which split, is fastest where the matrix is small?
 
 With --conv1d the weights are stored (K, N) as GPT-2's Conv1D holds them (default shapes: GPT-2's), and the
-`k/s` columns are the transposed-weight kernel at each cluster size.
+`k/s` columns are the transposed-weight kernel at each cluster size. The last two columns are cuBLAS with the
+update kernel (modes 2 and 3).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from bem.kernels import bench, custom_ops, ops
 
 SCALING = 0.5
 STREAM, TILES, ROWS = 1, 5, 8  # linear modes: the streaming, tiles and row-split decode kernels
+GEMM_THEN_UPDATE, UPDATE_THEN_GEMM = 2, 3  # cuBLAS, then the update kernel adds; the update, then cuBLAS adds
 
 
 def default_shapes() -> list[tuple[int, int, int, int]]:
@@ -36,7 +38,7 @@ def default_shapes() -> list[tuple[int, int, int, int]]:
 
 def conv1d_shapes() -> list[tuple[int, int, int, int]]:
     gpt2 = [(768, 2304), (768, 768), (768, 3072), (3072, 768)]
-    return [(M, K, N, 8) for M in (1, 4, 8) for K, N in gpt2]
+    return [(M, K, N, 8) for M in (1, 4, 8, 16) for K, N in gpt2]
 
 
 def sweep_row(M: int, K: int, N: int, r: int, l2_bytes: int, conv1d: bool) -> dict[str, float]:
@@ -62,6 +64,8 @@ def sweep_row(M: int, K: int, N: int, r: int, l2_bytes: int, conv1d: bool) -> di
         variants[f"stream k/{split}"] = linear(STREAM, split)
     if not conv1d and K <= 1536:
         variants["rows"] = linear(ROWS)
+    variants["gemm, upd"] = linear(GEMM_THEN_UPDATE)
+    variants["upd, gemm"] = linear(UPDATE_THEN_GEMM)
     usable = {}
     for name, fn in variants.items():  # a split the kernel refuses at this shape is left out
         try:
@@ -84,7 +88,8 @@ def main() -> None:
                                                                       else default_shapes())
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
     bench.warm_up()
-    names = ["default", "tiles", "stream k/1", "stream k/2", "stream k/4", "stream k/8", "rows"]
+    names = ["default", "tiles", "stream k/1", "stream k/2", "stream k/4", "stream k/8", "rows", "gemm, upd",
+             "upd, gemm"]
     print(f"{'M x K x N x r':<20}{'F.linear µs':>12}" + "".join(f"{n:>12}" for n in names))
     for M, K, N, r in shapes:
         times = sweep_row(M, K, N, r, l2_bytes, args.conv1d)

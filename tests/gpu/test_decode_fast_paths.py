@@ -323,6 +323,37 @@ def test_linear_forward_with_a_given_v_transposed_equals_the_copying_call(mode, 
 
 
 @pytest.mark.skipif(not KERNELS_AVAILABLE, reason="needs the CUDA extension")
+@pytest.mark.parametrize("M", [5, 8, 16])
+def test_a_transposed_weight_above_four_tokens_captured_or_not_equals_the_reference(M):
+    """A Conv1D-layout weight (a transposed view) above the columns kernel's 4 tokens: eagerly the tiles kernel,
+    captured into a CUDA graph cuBLAS after the update kernel; both give the float64 reference."""
+    from bem.kernels import custom_ops
+
+    K, N, r = 264, 392, 8
+    g = torch.Generator(device="cuda").manual_seed(M)
+    make = lambda *shape: torch.randn(*shape, device="cuda", generator=g, dtype=torch.bfloat16)  # noqa: E731
+    x, c, b, V, U = make(M, K), make(M, r), make(N), make(K, r) / K**0.5, make(N, r)
+    W_t = (make(K, N) / K**0.5).t()  # (N, K), stored (K, N)
+    ref = (x.double() @ W_t.double().t() + b.double()
+           + 0.5 * ((x.double() @ V.double()) * c.double()) @ U.double().t())
+    eager = custom_ops._C.linear_forward(x, W_t, b, V, c, U, 0.5)[0]
+    out = torch.full_like(eager, float("nan"))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # a warm-up outside the capture, as torch.cuda.graph's callers do
+        custom_ops._C.linear_forward(x, W_t, b, V, c, U, 0.5)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(custom_ops._C.linear_forward(x, W_t, b, V, c, U, 0.5)[0])
+    graph.replay()
+    torch.cuda.synchronize()
+    for y in (eager, out):
+        assert torch.isfinite(y).all()
+        assert (y.double() - ref).norm() / ref.norm() < 2e-2
+
+
+@pytest.mark.skipif(not KERNELS_AVAILABLE, reason="needs the CUDA extension")
 def test_linear_forward_refuses_leading_dimensions_it_cannot_take():
     from bem.kernels import custom_ops
 

@@ -246,7 +246,10 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
   const bool fits_decode = tensor_core_dtype(x) && M >= 1 && M <= kDecodeMaxTokens &&
                            (N + kDecodeTileN - 1) / kDecodeTileN <= kMaxDecodeTiles;
   if (mode == kAuto && fits_decode && M <= kDecodeAutoMaxTokens) {
-    mode = kDecode;
+    // A transposed weight (GPT-2's Conv1D) above the columns kernel's tokens takes the tiles kernel, at 2.4-3.0x
+    // F.linear at 8 tokens (H100). Captured into a CUDA graph, where a second launch costs no host time, cuBLAS
+    // after the update kernel instead (docs/kernels.md); eagerly the one launch's host time weighs more.
+    mode = M > kDecodeColumnsMaxTokens && !weight.is_contiguous() && capturing_now() ? kUpdateThenGemm : kDecode;
   } else if (mode == kAuto) {
     const GemmUpdateChoice choice = gemm_update_choice(x, weight, bias, V, U);
     mode = choice == GemmUpdateChoice::kInside      ? kGemmUpdate
