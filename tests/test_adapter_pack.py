@@ -106,12 +106,21 @@ def test_pack_layout_is_aligned_and_holds_the_parameters():
     assert torch.equal(pack.weights()[1][1], modules[1].bem_U)
 
 
-def test_no_pack_without_floating_adapters_or_modules():
+def test_no_pack_without_plain_floating_adapters_or_modules():
+    """Integer, flattened (as a sharding wrapper leaves them) or rank-mismatched adapters are not packed."""
     assert not AdapterPack([]).refresh()
-    m = torch.nn.Module()
-    m.bem_V = torch.nn.Parameter(torch.zeros(4, 2, dtype=torch.int32), requires_grad=False)
-    m.bem_U = torch.nn.Parameter(torch.zeros(4, 2, dtype=torch.int32), requires_grad=False)
-    assert not AdapterPack([m]).refresh()
+
+    def module(V: torch.Tensor, U: torch.Tensor) -> torch.nn.Module:
+        m = torch.nn.Module()
+        m.bem_V = torch.nn.Parameter(V, requires_grad=V.is_floating_point())
+        m.bem_U = torch.nn.Parameter(U, requires_grad=U.is_floating_point())
+        return m
+
+    assert not AdapterPack([module(torch.zeros(4, 2, dtype=torch.int32), torch.zeros(4, 2, dtype=torch.int32))]).refresh()
+    assert not AdapterPack([module(torch.zeros(8), torch.zeros(4, 2))]).refresh()
+    assert not AdapterPack([module(torch.zeros(4, 2), torch.zeros(4, 3))]).refresh()
+    pack = AdapterPack([module(torch.zeros(4, 2), torch.zeros(4, 2))])
+    assert pack.refresh() and pack.flat is not None
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "state"])

@@ -35,15 +35,23 @@ class AdapterPack:
     def _parameters(self) -> list[torch.Tensor]:
         return [p for m in self._modules for p in (m._parameters["bem_V"], m._parameters["bem_U"])]
 
-    def refresh(self) -> bool:
-        """Bring the buffer up to date with the parameters. False (and no buffer) where the adapters do not share
-        one dtype and device, or none are floating point: the compiled call then reads the parameters."""
-        params = self._parameters()
-        if not params:
-            return False
+    def _packable(self, params: list[torch.Tensor]) -> bool:
+        """Plain dense (K, r) and (N, r) tensors of one floating dtype on one device: not sharded or flattened
+        (FSDP, DeepSpeed), not a tensor subclass (DTensor), not on the meta device."""
         first = params[0]
-        if (not first.is_floating_point() or first.device.type == "meta"
-                or any(p.dtype != first.dtype or p.device != first.device for p in params)):
+        if not first.is_floating_point() or first.device.type == "meta":
+            return False
+        if any(type(p.data) is not torch.Tensor or p.dtype != first.dtype or p.device != first.device
+               or p.dim() != 2 for p in params):
+            return False
+        return all(m._parameters["bem_V"].shape[1] == m._parameters["bem_U"].shape[1] for m in self._modules)
+
+    def refresh(self) -> bool:
+        """Bring the buffer up to date with the parameters. False (and no buffer) where the adapters are not
+        plain (K, r) and (N, r) tensors of one floating dtype on one device: the compiled call then reads the
+        parameters."""
+        params = self._parameters()
+        if not params or not self._packable(params):
             self.flat, self._seen = None, None
             return False
         layout, size = [], 0
@@ -53,7 +61,7 @@ class AdapterPack:
             size += -(-K * r // ALIGN) * ALIGN
             layout.append((v_at, K, size, N, r))
             size += -(-N * r // ALIGN) * ALIGN
-        layout_t = tuple(layout)
+        layout_t, first = tuple(layout), params[0]
         flat = self.flat
         if flat is None or layout_t != self.layout or flat.dtype != first.dtype or flat.device != first.device:
             flat = torch.zeros(size, dtype=first.dtype, device=first.device)
