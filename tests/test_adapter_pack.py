@@ -104,6 +104,10 @@ def test_pack_layout_is_aligned_and_holds_the_parameters():
         modules[1].bem_U.mul_(2)
     assert pack.refresh() and pack.flat is flat
     assert torch.equal(pack.weights()[1][1], modules[1].bem_U)
+    # replaced in two steps, the old storage let go in between: its address may not come back unnoticed
+    modules[0].bem_V.data = torch.empty(0)
+    modules[0].bem_V.data = torch.randn(5, 3)
+    assert pack.refresh() and torch.equal(pack.weights()[0][0], modules[0].bem_V)
 
 
 def test_no_pack_without_plain_floating_adapters_or_modules():

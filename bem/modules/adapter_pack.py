@@ -7,8 +7,9 @@ brings 420 such tensors besides the base's ~270 (SmolLM-135M's shapes). Inside `
 compiled calls read V and U as views of this one buffer instead: one input.
 
 The buffer is a copy. `refresh()`, called as each `generate` starts (outside any compiled call), copies the
-parameters in again whenever one of them was written (its version counter) or replaced (its address) since
-the last copy, so a compiled call never reads adapters older than the parameters. The buffer keeps its
+parameters in again whenever one of them was written (its version counter) or replaced (its address; the pack
+holds the storage it copied from, so a replacement cannot land at the same address) since the last copy, so a
+compiled call never reads adapters older than the parameters. The buffer keeps its
 address, which CUDA-graph replays rely on, for as long as the adapters keep their dtype, device and shapes.
 """
 
@@ -30,7 +31,9 @@ class AdapterPack:
         self.flat: Optional[torch.Tensor] = None
         # (V's offset, K, U's offset, N, r) per module, in module order: constants of the compiled call
         self.layout: tuple[tuple[int, int, int, int, int], ...] = ()
-        self._seen: Optional[list[tuple[int, int]]] = None
+        # what was copied in: each parameter's storage (held, so its address cannot be reused by a replacement)
+        # and its version counter at the copy
+        self._seen: Optional[list[tuple[torch.Tensor, int]]] = None
 
     def _parameters(self) -> list[torch.Tensor]:
         return [p for m in self._modules for p in (m._parameters["bem_V"], m._parameters["bem_U"])]
@@ -68,11 +71,13 @@ class AdapterPack:
             # a fixed address: CUDA-graph replays read it in place instead of copying it in before each replay
             torch._dynamo.mark_static_address(flat)
             self.flat, self.layout, self._seen = flat, layout_t, None
-        seen = [(p.data_ptr(), p._version) for p in params]
-        if seen != self._seen:
+        seen = self._seen
+        if seen is None or any(p.data_ptr() != held.data_ptr() or p._version != version
+                               for p, (held, version) in zip(params, seen)):
+            sources = [p.detach() for p in params]
             with torch.no_grad():
-                torch._foreach_copy_(self._views(flat), [p.detach() for p in params])
-            self._seen = seen
+                torch._foreach_copy_(self._views(flat), sources)
+            self._seen = [(t, t._version) for t in sources]
         return True
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
