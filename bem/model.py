@@ -121,6 +121,7 @@ class BEMModel(nn.Module):
         self.bem_config = config
         plan = plan_targets(base_model, config)
         self.context = RoutingContext()
+        self._pack: Optional[AdapterPack] = None  # made at the first generate: none kept without one
         for param in base_model.parameters():
             param.requires_grad_(False)
         self.bem_module_names: list[str] = plan.names
@@ -215,12 +216,11 @@ class BEMModel(nn.Module):
             self.context.pack, self.context.weights = None, None
 
     def _adapter_pack(self) -> Optional[AdapterPack]:
-        """The adapters in one buffer, up to date, for generate's compiled decoding step; None where they do not
-        share a dtype and device. Made at the first `generate`, so a model that never generates keeps no copy."""
-        pack = self.__dict__.get("_pack")
-        if pack is None:
-            pack = self.__dict__["_pack"] = AdapterPack([module for _, module in self.bem_modules()])
-        return pack if pack.refresh() else None
+        """The adapters in one buffer, up to date, for generate's compiled decoding step; None where they are not
+        plain tensors of one dtype and device."""
+        if self._pack is None:
+            self._pack = AdapterPack([module for _, module in self.bem_modules()])
+        return self._pack if self._pack.refresh() else None
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -75,18 +75,13 @@ class AdapterPack:
         if seen is None or any(p.data_ptr() != held.data_ptr() or p._version != version
                                for p, (held, version) in zip(params, seen)):
             sources = [p.detach() for p in params]
-            with torch.no_grad():
-                torch._foreach_copy_(self._views(flat), sources)
+            with torch.no_grad():  # the views in the parameters' order: V, U of each module
+                torch._foreach_copy_([view for pair in self.weights() for view in pair], sources)
             self._seen = [(t, t._version) for t in sources]
         return True
 
-    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        out = []
-        for v_at, K, u_at, N, r in self.layout:
-            out += [flat[v_at:v_at + K * r].view(K, r), flat[u_at:u_at + N * r].view(N, r)]
-        return out
-
     def weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(V, U) of each module, views of the buffer (traced into the compiled call as slices of one input)."""
-        views = self._views(self.flat)
-        return list(zip(views[0::2], views[1::2]))
+        flat = self.flat
+        return [(flat[v_at:v_at + K * r].view(K, r), flat[u_at:u_at + N * r].view(N, r))
+                for v_at, K, u_at, N, r in self.layout]
