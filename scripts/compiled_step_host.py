@@ -6,12 +6,15 @@
 warmed up until compiled, then one generate of `--tokens` new tokens and one of 1 token under torch.profiler
 (CPU activities only). Each event name's host time (self time, as the profiler reports it) in the second is
 subtracted from the first and divided by the decoding steps; the events whose time differs most between the
-base and BEM are printed, with the wall time per step of each.
+base and BEM are printed, with the wall time per step of each. Then, without the profiler, `--repeats` pairs of
+the two generates split each variant's wall time into the prompt's part (the 1-token generate) and a decoding
+step's, as medians with their range.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections import defaultdict
 
@@ -37,6 +40,28 @@ def host_times(run, device: torch.device) -> tuple[dict[str, float], dict[str, i
     return dict(micros), dict(calls), wall
 
 
+def wall_split(full, first, device: torch.device, tokens: int, repeats: int) -> str:
+    """Median [min, max] wall ms of the 1-token generate and of a decoding step (the difference, per step)."""
+    prompts, steps = [], []
+    for index in range(repeats):
+        timed = []
+        for run in (first, full):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            run(index)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            timed.append(time.perf_counter() - start)
+        prompts.append(1e3 * timed[0])
+        steps.append(1e3 * (timed[1] - timed[0]) / (tokens - 1))
+
+    def show(values: list[float]) -> str:
+        return f"{statistics.median(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
+
+    return f"1-token generate {show(prompts)} ms, decoding step {show(steps)} ms ({repeats} pairs, no profiler)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
@@ -44,6 +69,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--repeats", type=int, default=10, help="unprofiled pairs of generates timed per variant")
     args = parser.parse_args()
     device = torch.device(args.device)
     per_step: dict[str, dict[str, float]] = {}
@@ -54,6 +80,8 @@ def main() -> None:
         calls_per_step[name] = per_decoding_step(c_full, c_first, args.tokens - 1)
         print(f"{name}: {1e3 * (w_full - w_first) / (args.tokens - 1):.3f} ms a step (wall, under the profiler), "
               f"{sum(per_step[name].values()) / 1e3:.3f} ms of profiled host time", flush=True)
+        if args.repeats > 0:
+            print(f"{name}: {wall_split(full, first, device, args.tokens, args.repeats)}", flush=True)
     names = set(per_step["base"]) | set(per_step["bem"])
     rows = sorted(names, key=lambda k: -abs(per_step["bem"].get(k, 0.0) - per_step["base"].get(k, 0.0)))
     print(f"\n{'event':<100}{'base µs':>10}{'bem µs':>10}{'base n':>8}{'bem n':>8}   (per decoding step)")

@@ -1,11 +1,11 @@
 """The BEM linear at decode sizes on small matrices: the streaming decode kernel at every split of K (cluster
-size), the row-split kernel (K up to 1536), the tiles kernel and the default dispatch, against
+size), the row-split kernel (K up to 2048), the tiles kernel and the default dispatch, against
 `F.linear`; CUDA-graph GPU time per call, interleaved.
 
     PYTHONPATH=. python scripts/decode_split_sweep.py [--shapes 1x576x576x8,...] [--conv1d]
 
 The default shapes are SmolLM-135M's, Qwen2-1.5B's, Llama-1B's and Phi-3-mini's at 1 and 16 tokens. Where K is
-at most 1536 and N at most 4096 the default dispatch takes the row-split kernel; above, the streaming kernel on the largest cluster
+at most 2048 and N at most 4096 the default dispatch takes the row-split kernel; above, the streaming kernel on the largest cluster
 that keeps at least 64 columns of K a block and runs in one wave (`decode_stream_split`). The question this
 answers: which kernel, and which split, is fastest where the matrix is small?
 
@@ -62,7 +62,7 @@ def sweep_row(M: int, K: int, N: int, r: int, l2_bytes: int, conv1d: bool) -> di
     }
     for split in (1, 2, 4, 8):
         variants[f"stream k/{split}"] = linear(STREAM, split)
-    if not conv1d and K <= 1536:
+    if not conv1d and K <= 2048:  # the row-split kernel's K limit (kDecodeRowsMaxK)
         variants["rows"] = linear(ROWS)
     variants["gemm, upd"] = linear(GEMM_THEN_UPDATE)
     variants["upd, gemm"] = linear(UPDATE_THEN_GEMM)

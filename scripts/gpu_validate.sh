@@ -109,6 +109,7 @@ for what in "$@"; do
 name, seconds = sys.argv[1], float(sys.argv[2])
 config = yaml.safe_load(open(f"configs/profile_{name}.yaml"))
 config["prefill"]["shapes"], config["train"]["enabled"] = [], False
+config.setdefault("kernels", {})["run_with_profile"] = False
 config["decode"].update(eager=False, compiled=True)
 config["timing"]["max_seconds"] = seconds
 if sys.argv[3]:

@@ -113,10 +113,10 @@ def test_kernel_choice_arguments_are_checked():
         with pytest.raises(ValueError, match=r"the row-split decode kernel does not split K \(split_k = 0\), "
                                              "got split_k = 3"):
             custom_ops._C.linear_forward(x, W, None, V, None, U, 1.0, 8, 3)
-        long_x, long_W = torch.randn(4, 1544, device="cuda", dtype=x.dtype), torch.randn(16, 1544, device="cuda",
+        long_x, long_W = torch.randn(4, 2056, device="cuda", dtype=x.dtype), torch.randn(16, 2056, device="cuda",
                                                                                           dtype=x.dtype)
-        with pytest.raises(ValueError, match="K a multiple of 8 up to 1536"):
-            custom_ops._C.linear_forward(long_x, long_W, None, torch.randn(1544, 8, device="cuda", dtype=x.dtype),
+        with pytest.raises(ValueError, match="K a multiple of 8 up to 2048"):
+            custom_ops._C.linear_forward(long_x, long_W, None, torch.randn(2056, 8, device="cuda", dtype=x.dtype),
                                          None, U, 1.0, 8)
         with pytest.raises(ValueError, match="the row-split decode kernel takes a row-major weight, 1..16 tokens"):
             custom_ops._C.linear_forward(x, W.t().contiguous().t(), None, V, None, U, 1.0, 8)

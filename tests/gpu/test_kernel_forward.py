@@ -143,11 +143,12 @@ def test_transposed_decode_kernel_matches_float64(dtype, split_k, M, K, N, r):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("M,K,N", [(1, 576, 576), (5, 1016, 1000), (8, 520, 130), (9, 264, 77), (16, 1024, 257),
                                    (3, 8, 5), (1, 768, 48), (13, 1024, 4100), (2, 256, 16), (16, 512, 3),
-                                   (1, 1536, 576), (16, 1528, 1000), (7, 1032, 33)])
+                                   (1, 1536, 576), (16, 1528, 1000), (7, 1032, 33), (1, 2048, 512),
+                                   (16, 2048, 2048), (9, 1544, 77), (4, 2040, 4100)])
 @pytest.mark.parametrize("r", [1, 8, 13, 24, 64])
 def test_decode_rows_kernel_matches_float64(dtype, M, K, N, r):
     """Mode 8, the row-split decode kernel (16 rows a block over all of K, no clusters): odd N, K from 8 to
-    1536 (two, four and six chunks a warp), odd ranks (up to 8 its X V shares x's fragments, above not),
+    2048 (two, four, six and eight chunks a warp), odd ranks (up to 8 its X V shares x's fragments, above not),
     with and without bias and codes; two calls give identical bits (fixed-order sums); the profile names
     it."""
     seed = stable_seed(M, K, N, r, str(dtype), "rows")
@@ -158,10 +159,11 @@ def test_decode_rows_kernel_matches_float64(dtype, M, K, N, r):
 
 @hopper
 @pytest.mark.parametrize("M,K,N,rows", [(1, 576, 576, True), (16, 576, 1536, True), (1, 1536, 576, True),
-                                        (1, 576, 8192, False), (1, 2048, 2048, False)])
+                                        (16, 2048, 2048, True), (1, 2048, 512, True), (1, 576, 8192, False),
+                                        (1, 2056, 2048, False), (16, 3072, 3072, False)])
 def test_decode_dispatch_takes_the_row_kernel_for_small_matrices(M, K, N, rows):
-    """Mode 1 without a split: the row-split kernel where K is at most 1536 and N at most 4096 (every linear
-    of SmolLM-135M), the streaming kernel otherwise; both exact."""
+    """Mode 1 without a split: the row-split kernel where K is at most 2048 and N at most 4096 (every linear
+    of SmolLM-135M, Llama-1B's attention projections), the streaming kernel otherwise; both exact."""
     x, W, b, V, c, U = operands(M, K, N, 8, torch.bfloat16, codes=True, seed=stable_seed(M, K, N, "dispatch"))
     names = decode_calls_agree(x, W, b, V, c, U, 0)
     assert any("decode_rows_kernel" in n for n in names) == rows, names

@@ -1,5 +1,5 @@
 // The BEM linear at decode sizes on small matrices, one launch without clusters (sm_90, W row-major,
-// M <= 16 tokens, K <= 1536 and a multiple of 8, r <= 64):
+// M <= 16 tokens, K <= 2048 and a multiple of 8, r <= 64):
 //
 //     Y = X W^T + b + s * ((X V) ⊙ codes) U^T
 //
@@ -209,7 +209,8 @@ template <typename T, int NT>
 cudaError_t launch_row_chunks(const DecodeArgs& a, cudaStream_t stream) {
   return a.K <= 2 * kWarps * kChunk   ? launch_rows<T, NT, 2>(a, stream)
          : a.K <= 4 * kWarps * kChunk ? launch_rows<T, NT, 4>(a, stream)
-                                       : launch_rows<T, NT, 6>(a, stream);
+         : a.K <= 6 * kWarps * kChunk ? launch_rows<T, NT, 6>(a, stream)
+                                       : launch_rows<T, NT, 8>(a, stream);
 }
 
 }  // namespace
@@ -218,7 +219,7 @@ bool decode_rows_fits(const DecodeArgs& a, int cc_major) {
   return decode_stream_fits(a, cc_major) && a.K <= kDecodeRowsMaxK;  // the streaming kernel's limits, and K's
 }
 
-static_assert(kDecodeRowsMaxK == 6 * kWarps * kChunk, "six chunks a warp at most");
+static_assert(kDecodeRowsMaxK == 8 * kWarps * kChunk, "eight chunks a warp at most");
 
 bool decode_rows_takes(int N, int K) {
   // Where the row kernel is the default over the streaming kernel: small matrices, bound by latency.

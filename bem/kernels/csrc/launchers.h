@@ -124,7 +124,7 @@ cudaError_t launch_decode_stream(DType dtype, const DecodeArgs& args, cudaStream
 // The row-split decode kernel (decode_rows.cu; sm_90, the streaming kernel's operand limits and K up to
 // kDecodeRowsMaxK, no clusters): a block owns 16 rows of W over all of K. decode_rows_takes says where the
 // decode dispatch prefers it to the streaming kernel.
-constexpr int kDecodeRowsMaxK = 1536;
+constexpr int kDecodeRowsMaxK = 2048;
 bool decode_rows_fits(const DecodeArgs& args, int cc_major);
 bool decode_rows_takes(int N, int K);
 cudaError_t launch_decode_rows(DType dtype, const DecodeArgs& args, cudaStream_t stream);
