@@ -69,6 +69,8 @@ for what in "$@"; do
     ncu) step ncu 240 ncu --clock-control none -k regex:'stream_kernel|gemv|nvjet|gemm' --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section LaunchStats \
         env PYTHONPATH=. python3 scripts/ncu_kernels.py ;;
+    # Nsight Compute on the decode kernels and cuBLAS at DECODE_NCU_SHAPES (scripts/decode_ncu.sh)
+    decode-ncu) step decode_ncu ${NCU_LIMIT:-300} bash scripts/decode_ncu.sh ;;
     errors) step kernel_errors 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_kernel_errors.py ;;
     # the mixers' kernels from the whole extension (built above with the system compiler); the tests that make
     # the bindings throw run in a process of their own, so that a crash there cannot take the others' results

@@ -4,10 +4,14 @@
         --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
         python3 scripts/ncu_kernels.py
 
-Each kernel runs once on fresh random inputs: its first launch is the one profiled.
+Each kernel runs once on fresh random inputs: its first launch is the one profiled. `--decode MxKxNxr,...`
+runs instead, at each shape, the default decode dispatch (`linear_forward`, mode 0) and `F.linear` beside it
+(scripts/decode_ncu.sh).
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +31,24 @@ def operands(M: int, K: int, N: int, r: int):
     return x, W, b, V, c, U
 
 
+def decode_shapes(shapes: str) -> None:
+    C = custom_ops.extension()
+    for spec in shapes.split(","):
+        M, K, N, r = (int(v) for v in spec.split("x"))
+        x, W, b, V, c, U = operands(M, K, N, r)
+        C.linear_forward(x, W, b, V, c, U, 1.0, 0, 0, False)
+        F.linear(x, W, b)
+    torch.cuda.synchronize()
+
+
 def main() -> None:
-    C = custom_ops._C
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--decode", help="comma-separated MxKxNxr: the decode dispatch and F.linear at each")
+    args = parser.parse_args()
+    if args.decode:
+        decode_shapes(args.decode)
+        return
+    C = custom_ops.extension()
     for r, tokens in ((8, 16), (8, 64), (32, 32), (64, 16)):
         x, W, b, V, c, U = operands(16384, 4096, 4096, r)
         C.update_forward(x, V, c, U, 1.0, 1, tokens)
