@@ -2,19 +2,20 @@
 earlier, since dropped CUDA graph was the first capture on the shared capture stream? (The hypothesis for the
 pair crash in notes/device_plan.md: inductor's CUDA-graph trees clear the workspaces around their recording.)
 
-    PYTHONPATH=. python scripts/cublas_workspace_probe.py [--no-foreign] [--fix]
+    PYTHONPATH=. python scripts/cublas_workspace_probe.py [--no-foreign] [--no-fix]
 
 1. unless --no-foreign: a matrix product captured by hand with `torch.cuda.graph` (the first capture on its
    class-level capture stream), then the graph dropped;
 2. a small BEM Llama's full forward three times without grad: the controller's whole-sequence call runs
    eagerly, is captured, is replayed;
-3. `torch._C._cuda_clearCublasWorkspaces()`, `torch.cuda.empty_cache()`, and a large NaN-filled allocation
-   that takes whatever memory was freed;
+3. `torch._C._cuda_clearCublasWorkspaces()` and `torch.cuda.empty_cache()`, which unmaps whatever memory was
+   freed (a replay that still writes there faults);
 4. the forward again (a replay), synchronised: its logits against the first, eager forward's.
 
---fix clears the workspaces before and after each of the controller's captures (as inductor does around its
-own), so that a capture's workspace comes from the graph's own pool. Prints one line: the largest difference,
-or the error the replay raised.
+The controller clears the workspaces before and after each of its captures (`_clear_cublas_workspaces`, as
+inductor does around its own), so that a capture's workspace comes from the graph's own pool; --no-fix turns
+that off. Prints one line: the memory the capture kept, and the largest difference or the error the replay
+raised.
 """
 
 from __future__ import annotations
@@ -45,23 +46,13 @@ def foreign_capture() -> None:
     gc.collect()
 
 
-def with_cleared_workspaces(init):
-    def wrapped(self, math, inputs):
-        torch._C._cuda_clearCublasWorkspaces()
-        try:
-            init(self, math, inputs)
-        finally:
-            torch._C._cuda_clearCublasWorkspaces()
-    return wrapped
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-foreign", action="store_true", help="no capture by hand before the model's")
-    parser.add_argument("--fix", action="store_true", help="clear the workspaces around the controller's captures")
+    parser.add_argument("--no-fix", action="store_true", help="keep the workspaces around the controller's captures")
     args = parser.parse_args()
-    if args.fix:
-        controller_graphs._CapturedCall.__init__ = with_cleared_workspaces(controller_graphs._CapturedCall.__init__)
+    if args.no_fix:
+        controller_graphs._clear_cublas_workspaces = lambda: None
     if not args.no_foreign:
         foreign_capture()
     torch.manual_seed(0)
@@ -75,21 +66,23 @@ def main() -> None:
                 param.normal_(std=0.1)
         ids = torch.randint(3, 101, (2, 17), device="cuda")
         eager = model(input_ids=ids, use_cache=False).logits.clone()  # the controller's call: eager
+        torch.cuda.synchronize()
+        reserved = torch.cuda.memory_reserved()
         model(input_ids=ids, use_cache=False)  # captured
+        torch.cuda.synchronize()
+        kept_mib = (torch.cuda.memory_reserved() - reserved) / 2**20
         model(input_ids=ids, use_cache=False)  # replayed
         torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.empty_cache()
-        free, _ = torch.cuda.mem_get_info()
-        filler = torch.full((int(free * 0.8) // 4,), float("nan"), device="cuda")
         try:
             again = model(input_ids=ids, use_cache=False).logits
             torch.cuda.synchronize()
-            print(f"foreign capture {not args.no_foreign}, fix {args.fix}: replay after clearing, max |diff| "
-                  f"{(again - eager).abs().max().item():.3g}")
+            print(f"foreign capture {not args.no_foreign}, fix {not args.no_fix}: capture kept {kept_mib:.1f} MiB; "
+                  f"replay after clearing, max |diff| {(again - eager).abs().max().item():.3g}")
         except Exception as error:  # noqa: BLE001 - the probe reports whatever the replay raised
-            print(f"foreign capture {not args.no_foreign}, fix {args.fix}: replay after clearing raised "
+            print(f"foreign capture {not args.no_foreign}, fix {not args.no_fix}: capture kept {kept_mib:.1f} MiB; "
+                  f"replay after clearing raised "
                   f"{type(error).__name__}: {str(error).splitlines()[0]}")
-        del filler
 
 
 if __name__ == "__main__":

@@ -7,7 +7,10 @@
 #   pair_history         - the narrow pair with inductor's CUDA-graph trees recording each pool allocation's origin;
 #   pair_blocking        - the narrow pair with CUDA_LAUNCH_BLOCKING=1: which launch fails;
 #   pair_no_controller_graphs, pair_rows_in_order - the narrow pair with the controller's own graphs off, and with
-#                          the row kernel launched in order.
+#                          the row kernel launched in order;
+#   workspace            - scripts/cublas_workspace_probe.py: after a dropped capture, with and without the
+#                          controller's clearing of cuBLAS's workspaces around its captures, and with no capture
+#                          before (a process each).
 set -o pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -39,6 +42,11 @@ for step in ${CRASH_STEPS:-dropped_graphs pair pair_collected pair_narrow memche
       grep -n -E "^bem/.*py:[0-9]+: " "$OUT/pair_blocking.log" | head -20 ;;
     pair_no_controller_graphs) BEM_CONTROLLER_GRAPHS=0 probe "$step" 200 -x "${PAIR[@]}" -k "$NARROW" ;;
     pair_rows_in_order) BEM_DECODE_ROWS_PDL=0 probe "$step" 200 -x "${PAIR[@]}" -k "$NARROW" ;;
+    workspace) for flags in "--no-fix" "--no-fix --no-foreign" "" "--no-foreign"; do
+        PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout 120 python3 scripts/cublas_workspace_probe.py $flags \
+          >>"$OUT/workspace.log" 2>&1
+        echo "workspace [$flags]: exit $?, $(tail -1 "$OUT/workspace.log")"
+      done ;;
     # memcheck on the narrow pair: names the kernel and the address if it is an out-of-bounds access
     memcheck) if command -v compute-sanitizer >/dev/null; then
         timeout 300 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -m gpu -q -x -p no:cacheprovider \

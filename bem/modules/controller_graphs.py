@@ -46,6 +46,21 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def _clear_cublas_workspaces() -> None:
+    """Drop cuBLAS's per-stream workspaces, so that the next capture allocates its own in its graph's pool.
+
+    PyTorch keeps one workspace per (handle, stream), and every `torch.cuda.graph` without a stream captures on
+    the same stream. A capture that finds a workspace there embeds its address, which may belong to an earlier,
+    since dropped graph's pool (a user's own capture, say); inductor's CUDA-graph trees clear the workspaces
+    around their recording, that memory is freed, and this graph's replay then writes to freed memory. Cleared
+    before a capture, the workspace comes from the graph's own pool and lives as long as the graph; cleared
+    after, no later capture embeds it.
+    """
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
 def _release_deferred() -> None:
     if _DEFERRED and not _capturing():
         _DEFERRED.clear()
@@ -64,8 +79,12 @@ class _CapturedCall:
                 math(*self.inputs)
             torch.cuda.current_stream().wait_stream(side_stream)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.outputs = math(*self.inputs)
+            _clear_cublas_workspaces()
+            try:
+                with torch.cuda.graph(self.graph):
+                    self.outputs = math(*self.inputs)
+            finally:
+                _clear_cublas_workspaces()
 
     def run(self, inputs: Sequence[Optional[torch.Tensor]]) -> tuple:
         for buffer, value in zip(self.inputs, inputs):
