@@ -1,5 +1,6 @@
 """The BEM linear at decode sizes on small matrices: the streaming decode kernel at every split of K (cluster
-size), the row-split kernel (K up to 2048), the tiles kernel and the default dispatch, against
+size), the row-split kernel (K up to 2048), the TMA kernel (its own split, then every split), the tiles kernel
+and the default dispatch, against
 `F.linear`; CUDA-graph GPU time per call, interleaved.
 
     PYTHONPATH=. python scripts/decode_split_sweep.py [--shapes 1x576x576x8,...] [--conv1d]
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from bem.kernels import bench, custom_ops, ops
 
 SCALING = 0.5
-STREAM, TILES, ROWS = 1, 5, 8  # linear modes: the streaming, tiles and row-split decode kernels
+STREAM, TILES, ROWS, TMA = 1, 5, 8, 9  # linear modes: the streaming, tiles, row-split and TMA decode kernels
 GEMM_THEN_UPDATE, UPDATE_THEN_GEMM = 2, 3  # cuBLAS, then the update kernel adds; the update, then cuBLAS adds
 
 
@@ -64,6 +65,9 @@ def sweep_row(M: int, K: int, N: int, r: int, l2_bytes: int, conv1d: bool) -> di
         variants[f"stream k/{split}"] = linear(STREAM, split)
     if not conv1d:  # above its K limit the row-split kernel refuses, and is left out below
         variants["rows"] = linear(ROWS)
+        variants["tma"] = linear(TMA)
+        for split in (1, 2, 4, 8):
+            variants[f"tma k/{split}"] = linear(TMA, split)
     variants["gemm, upd"] = linear(GEMM_THEN_UPDATE)
     variants["upd, gemm"] = linear(UPDATE_THEN_GEMM)
     usable = {}
@@ -90,6 +94,8 @@ def main() -> None:
     bench.warm_up()
     names = ["default", "tiles", "stream k/1", "stream k/2", "stream k/4", "stream k/8", "rows", "gemm, upd",
              "upd, gemm"]
+    if not args.conv1d:
+        names += ["tma", "tma k/1", "tma k/2", "tma k/4", "tma k/8"]
     print(f"{'M x K x N x r':<20}{'F.linear µs':>12}" + "".join(f"{n:>12}" for n in names))
     for M, K, N, r in shapes:
         times = sweep_row(M, K, N, r, l2_bytes, args.conv1d)

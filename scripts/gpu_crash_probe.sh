@@ -8,6 +8,8 @@
 #   pair_blocking        - the narrow pair with CUDA_LAUNCH_BLOCKING=1: which launch fails;
 #   pair_no_controller_graphs, pair_rows_in_order - the narrow pair with the controller's own graphs off, and with
 #                          the row kernel launched in order;
+#   pair_no_clearing     - the narrow pair with the controller's clearing of cuBLAS's workspaces around its
+#                          captures turned off (scripts/pytest_no_workspace_clearing.py);
 #   workspace            - scripts/cublas_workspace_probe.py: after a dropped capture, with and without the
 #                          controller's clearing of cuBLAS's workspaces around its captures, and with no capture
 #                          before (a process each).
@@ -42,6 +44,7 @@ for step in ${CRASH_STEPS:-dropped_graphs pair pair_collected pair_narrow memche
       grep -n -E "^bem/.*py:[0-9]+: " "$OUT/pair_blocking.log" | head -20 ;;
     pair_no_controller_graphs) BEM_CONTROLLER_GRAPHS=0 probe "$step" 200 -x "${PAIR[@]}" -k "$NARROW" ;;
     pair_rows_in_order) BEM_DECODE_ROWS_PDL=0 probe "$step" 200 -x "${PAIR[@]}" -k "$NARROW" ;;
+    pair_no_clearing) probe "$step" 200 -x -p pytest_no_workspace_clearing "${PAIR[@]}" -k "$NARROW" ;;
     workspace) for flags in "--no-fix" "--no-fix --no-foreign" "" "--no-foreign"; do
         PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout 120 python3 scripts/cublas_workspace_probe.py $flags \
           >>"$OUT/workspace.log" 2>&1

@@ -5,7 +5,7 @@
 #        [mixer-tests] [mixer-errors]
 #        [fftconv-bench] [mlstm-bench] [mlstm-tests] [training-tests] [sweep] [profile] [train] [train-sweep] [breakdown]
 #        [prefill-breakdown] [compiled-breakdown] [controller-profile] [host-cost] [host-cost-ranks] [gemm-tests] [decode-tests] [train-repeat-probe] [inference-tests] [eager-sweep] [compiled-sweep] [compiled-sweep-pack-off] [compiled-host]
-#        [bench] [bench-shapes] [mode-sweep] [conv1d-sweep] [decode-split-sweep] [conv1d-split-sweep] [backward-sweep] [sass] [ncu] [cpu-tests]   (bench-shapes reads
+#        [tma-tests] [bench] [bench-shapes] [mode-sweep] [conv1d-sweep] [decode-split-sweep] [conv1d-split-sweep] [backward-sweep] [sass] [ncu] [cpu-tests]   (bench-shapes reads
 #        BENCH_SHAPES, e.g. 1x4096x4096x8,...; the sweeps read SWEEP_SHAPES the same way, or sweep their
 #        default shapes; prefill-breakdown reads BREAKDOWN_MODEL: llama-1b or gpt2; sweep reads SWEEP_CONFIGS,
 #        comma-separated profile names, default all; train-sweep reads TRAIN_CONFIGS, space-separated;
@@ -57,6 +57,9 @@ for what in "$@"; do
     kernel-tests) step kernel_tests 200 python3 -m pytest -m gpu -q --maxfail=10 -p no:cacheprovider \
         tests/gpu/test_kernel_forward.py tests/gpu/test_fused_gemm.py tests/gpu/test_kernel_backward.py \
         tests/gpu/test_kernel_compile_graphs.py ;;
+    # the TMA decode kernel (linear mode 9): its float64 tests, the modes' agreement and the kernels' error messages
+    tma-tests) step tma_tests 240 python3 -m pytest -m gpu -q --maxfail=10 -p no:cacheprovider -rf --tb=short \
+        tests/gpu/test_kernel_forward.py tests/gpu/test_kernel_errors.py -k "tma or every_linear_mode or kernel_errors" ;;
     mode-sweep) step mode_sweep 420 env PYTHONPATH=. python3 scripts/linear_mode_sweep.py ${SWEEP_SHAPES:+--shapes "$SWEEP_SHAPES"} ;;
     conv1d-sweep) step conv1d_sweep 420 env PYTHONPATH=. python3 scripts/linear_mode_sweep.py --conv1d \
         ${SWEEP_SHAPES:+--shapes "$SWEEP_SHAPES"} ;;

@@ -158,6 +158,24 @@ def test_decode_rows_kernel_matches_float64(dtype, M, K, N, r):
 
 
 @hopper
+@fused_gemm
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("split_k", [0, 1, 2, 4, 8])
+@pytest.mark.parametrize("M,K,N", [(1, 4096, 4096), (5, 2056, 1000), (8, 520, 130), (9, 264, 77), (16, 1536, 8960),
+                                   (13, 8960, 520), (16, 8, 3), (3, 72, 129), (16, 8192, 2048), (2, 1000, 4100)])
+@pytest.mark.parametrize("r", [1, 8, 13, 24, 64])
+def test_decode_tma_kernel_matches_float64(dtype, split_k, M, K, N, r):
+    """Mode 9, the TMA decode kernel (W's stages by tensor-map copies, wgmma, cluster split-K) at every cluster
+    size: odd N (rows past it come in as zeros), K not a multiple of 64 (the last stage's columns too), slices
+    that leave a block of the cluster with nothing (K = 8 over 8 blocks), odd ranks, with and without bias and
+    codes; two calls give identical bits (fixed-order sums); the profile names it."""
+    seed = stable_seed(M, K, N, r, split_k, str(dtype), "tma")
+    x, W, b, V, c, U = operands(M, K, N, r, dtype, codes=r != 13, seed=seed)
+    names = decode_calls_agree(x, W, None if r == 24 else b, V, c, U, split_k, mode=9)
+    assert any("decode_tma_kernel" in name for name in names), names
+
+
+@hopper
 @pytest.mark.parametrize("M,K,N,rows", [(1, 576, 576, True), (16, 576, 1536, True), (1, 1536, 576, True),
                                         (16, 2048, 2048, True), (1, 2048, 512, True), (1, 576, 8192, False),
                                         (1, 2056, 2048, False), (16, 3072, 3072, False)])

@@ -36,6 +36,7 @@ enum LinearMode : int64_t {
   kGemmUpdate = 6,       // one tensor-core GEMM with the update inside (gemm_update.cu)
   kGemmUpdateProjected = 7,  // cuBLAS P = x V, s P ⊙ c (scale_codes.cu), then that GEMM adds (s P ⊙ c) U^T
   kDecodeRows = 8,       // the row-split decode kernel (decode_rows.cu: M <= 16, sm_90, no clusters)
+  kDecodeTma = 9,        // the TMA decode kernel (decode_tma.cu: M <= 16, sm_90a, W by tensor-map copies)
 };
 // Chosen by measurement at prefill sizes (docs/kernels.md).
 constexpr LinearMode kPrefillMode = kUpdateThenGemm;
@@ -256,13 +257,13 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
            : choice == GemmUpdateChoice::kProjected ? kGemmUpdateProjected
                                                     : kPrefillMode;
   }
-  BEM_CHECK(mode >= kDecode && mode <= kDecodeRows, "unknown linear mode ", mode);
+  BEM_CHECK(mode >= kDecode && mode <= kDecodeTma, "unknown linear mode ", mode);
   BEM_CHECK(gemm_tile_n == 0 || gemm_tile_n == 128 || gemm_tile_n == 256,
             "gemm_tile_n must be 0 (chosen by shape), 128 or 256, got ", gemm_tile_n);
   if (!tensor_core_dtype(x) || M == 0) mode = kGemmThenUpdate;  // float/double: cuBLAS + simple kernels
   const Tensor* bias_ptr = bias.has_value() ? &*bias : nullptr;
 
-  if (mode == kDecode || mode == kDecodeTiles || mode == kDecodeRows) {
+  if (mode == kDecode || mode == kDecodeTiles || mode == kDecodeRows || mode == kDecodeTma) {
     BEM_CHECK(fits_decode, "the decode kernel takes 1..", kDecodeMaxTokens,
                 " float16/bfloat16 tokens, got M = ", M, " of ", x.scalar_type());
     DecodeArgs args{};
@@ -290,6 +291,19 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
                 kDecodeStreamMaxTokens, " tokens, ranks 1..", kDecodeStreamMaxRank, ", K a multiple of 8 up to ",
                 kDecodeRowsMaxK, " and 16-byte aligned x and weight on a compute capability 9.0 GPU");
       BEM_CHECK(split_k == 0, "the row-split decode kernel does not split K (split_k = 0), got split_k = ", split_k);
+    }
+    if (mode == kDecodeTma) {
+      BEM_CHECK(sm90a_runs(x.get_device()) && decode_tma_fits(args, cc), "the TMA decode kernel takes a row-major weight, 1..",
+                kDecodeStreamMaxTokens, " tokens, ranks 1..", kDecodeStreamMaxRank, ", K a multiple of 8 and ",
+                "16-byte aligned x and weight on a compute capability 9.0 GPU with this build's sm_90a code");
+      args.split_k = split_k > 0 ? (int)split_k : decode_tma_split((int)N, (int)K, x.get_device());
+      BEM_CHECK(args.split_k <= kDecodeStreamMaxCluster && (args.split_k & (args.split_k - 1)) == 0,
+                "the TMA decode kernel splits K over 1, 2, 4 or 8 blocks, got split_k = ", split_k);
+      args.k_per_split = decode_tma_k_per_split((int)K, args.split_k);
+      Tensor Pc = at::empty({M, (r + 15) / 16 * 16}, x.options());
+      args.Pc = Pc.data_ptr();
+      C10_CUDA_CHECK(launch_decode_tma(dtype_of(x), args, stream_now()));
+      return {Y, P};
     }
     // Small matrices: the row-split kernel (no clusters), where its rule takes the shape.
     if (rows_fit && (mode == kDecodeRows || (split_k == 0 && decode_rows_takes((int)N, (int)K)))) {

@@ -1,7 +1,7 @@
-// The X V half of the streaming decode kernel (decode_stream.cu): the geometry both launches share,
+// The X V half of the streaming decode kernels (decode_stream.cu, decode_tma.cu): the geometry the launches share,
 // one warp's X V over a slice of K (SliceProjection, which the stream's in-block form uses too) and the
 // projection launch (decode_project_kernel) that computes Pc = s (X V) ⊙ c once for the stream launched
-// after it. Included by decode_stream.cu and decode_rows.cu.
+// after it, and U's operand words for the update. Included by decode_stream.cu, decode_tma.cu and decode_rows.cu.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -35,6 +35,20 @@ __device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontr
 // Returns once the launch this one depends on has finished and its writes are visible (at once when
 // this grid was launched without a programmatic dependency: the stream's order already holds).
 __device__ __forceinline__ void wait_for_prerequisite() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+
+// U[row][j], U[row][j + 1] as one mma operand word, zeros past the rank or outside the matrix.
+template <typename T>
+__device__ __forceinline__ uint32_t u_pair(const T* u_row, bool row_ok, int j, int r) {
+  const T zero = from_acc<T>(0.f);
+  return pack2(row_ok && j < r ? u_row[j] : zero, row_ok && j + 1 < r ? u_row[j + 1] : zero);
+}
+
+// The projection launch's blocks for K (one cluster).
+inline int project_blocks(int K) {
+  int blocks = kProjectBlocks;
+  while (blocks > 1 && K / blocks < kProjectMinK) blocks /= 2;
+  return blocks;
+}
 
 // One warp's share of X V over a block's slice [k_begin, k_end) of K: tokens as the m16 rows of
 // mma.sync, 8 ranks per n8 tile; warp w takes rank tile w / kparts over every kparts-th chunk.

@@ -51,13 +51,6 @@ static_assert(kTokens * kYLd * 4 <= kRingBytes, "ys must fit in the ring's bytes
 constexpr int kOwnProjectionMaxK = 1024;
 constexpr int kEarlyChunks = 2;  // chunks of a warp's in-block X V whose operands are requested before W
 
-// U[row][j], U[row][j + 1] as one mma operand word, zeros past the rank or outside the matrix.
-template <typename T>
-__device__ __forceinline__ uint32_t u_pair(const T* u_row, bool row_ok, int j, int r) {
-  const T zero = from_acc<T>(0.f);
-  return pack2(row_ok && j < r ? u_row[j] : zero, row_ok && j + 1 < r ? u_row[j + 1] : zero);
-}
-
 // OWN: the in-block projection (RS == 1); otherwise Pc comes from decode_project_kernel. RS: the
 // update's k16 steps (1, 2 or 4: ranks up to 16, 32 or 64), so that the update's operands take no
 // more registers than the rank needs.
@@ -281,12 +274,6 @@ cudaLaunchConfig_t stream_config(const DecodeArgs& a, cudaLaunchAttribute* attri
   config.attrs = attribute;
   config.numAttrs = after_projection ? 2 : 1;
   return config;
-}
-
-int project_blocks(int K) {
-  int blocks = kProjectBlocks;
-  while (blocks > 1 && K / blocks < kProjectMinK) blocks /= 2;
-  return blocks;
 }
 
 template <typename T, int NT, int RS, bool OWN>

@@ -129,6 +129,15 @@ bool decode_rows_fits(const DecodeArgs& args, int cc_major);
 bool decode_rows_takes(int N, int K);
 cudaError_t launch_decode_rows(DType dtype, const DecodeArgs& args, cudaStream_t stream);
 
+// The TMA decode kernel (decode_tma.cu; sm_90a, the streaming kernel's operand limits): W's stages by tensor-map
+// copies into a ring, multiplied by wgmma, after the projection launch (Pc needed). split_k is its cluster size
+// (1, 2, 4 or 8), k_per_split a multiple of 64 (decode_tma_k_per_split). The caller checks that the build has
+// sm_90a code for the device (gemm_update_supported).
+bool decode_tma_fits(const DecodeArgs& args, int cc_major);
+int decode_tma_split(int N, int K, int device);
+int decode_tma_k_per_split(int K, int split_k);
+cudaError_t launch_decode_tma(DType dtype, const DecodeArgs& args, cudaStream_t stream);
+
 // The decode kernel for a weight stored transposed (W^T row-major, K x N: GPT-2's Conv1D) on CUDA cores
 // (sm_90, M <= kDecodeColumnsMaxTokens, r <= kDecodeColumnsMaxRank, N % 8 == 0, W 16-byte aligned), one
 // launch: split_k is its thread-block cluster size (1, 2, 4 or 8), k_per_split any length that covers K.

@@ -44,6 +44,10 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 __device__ __forceinline__ void mbarrier_init(unsigned address, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(address), "r"(count) : "memory");
 }
+// Makes initialised mbarriers visible to the cluster and to the async proxy (TMA) before their first use.
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
 __device__ __forceinline__ void mbarrier_wait(unsigned address, int parity) {
   asm volatile(
       "{\n.reg .pred done;\nWAIT:\n"
