@@ -296,6 +296,17 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
       BEM_CHECK(sm90a_runs(x.get_device()) && decode_tma_fits(args, cc), "the TMA decode kernel takes a row-major weight, 1..",
                 kDecodeStreamMaxTokens, " tokens, ranks 1..", kDecodeStreamMaxRank, ", K a multiple of 8 and ",
                 "16-byte aligned x and weight on a compute capability 9.0 GPU with this build's sm_90a code");
+    }
+    // Small matrices: the row-split kernel (no clusters), where its rule takes the shape.
+    if (rows_fit && (mode == kDecodeRows || (split_k == 0 && decode_rows_takes((int)N, (int)K)))) {
+      C10_CUDA_CHECK(launch_decode_rows(dtype_of(x), args, stream_now()));
+      return {Y, P};
+    }
+    // Under CUDA-graph capture, where its second launch (the projection) costs no host time, the TMA kernel where K
+    // is large (decode_tma_takes); eagerly the streaming kernel's in-block form is one launch.
+    const bool tma = mode == kDecodeTma || (mode == kDecode && split_k == 0 && decode_tma_takes((int)K) &&
+                                            decode_tma_fits(args, cc) && capturing_now() && sm90a_runs(x.get_device()));
+    if (tma) {
       args.split_k = split_k > 0 ? (int)split_k : decode_tma_split((int)N, (int)K, x.get_device());
       BEM_CHECK(args.split_k <= kDecodeStreamMaxCluster && (args.split_k & (args.split_k - 1)) == 0,
                 "the TMA decode kernel splits K over 1, 2, 4 or 8 blocks, got split_k = ", split_k);
@@ -303,11 +314,6 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
       Tensor Pc = at::empty({M, (r + 15) / 16 * 16}, x.options());
       args.Pc = Pc.data_ptr();
       C10_CUDA_CHECK(launch_decode_tma(dtype_of(x), args, stream_now()));
-      return {Y, P};
-    }
-    // Small matrices: the row-split kernel (no clusters), where its rule takes the shape.
-    if (rows_fit && (mode == kDecodeRows || (split_k == 0 && decode_rows_takes((int)N, (int)K)))) {
-      C10_CUDA_CHECK(launch_decode_rows(dtype_of(x), args, stream_now()));
       return {Y, P};
     }
     // The streaming kernel measured faster than the tiles kernel at every rank it takes (up to 64: at

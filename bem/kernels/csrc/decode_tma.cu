@@ -261,6 +261,14 @@ bool decode_tma_fits(const DecodeArgs& a, int cc_major) {
   return decode_stream_fits(a, cc_major) && aligned16(a.X) && aligned16(a.W);
 }
 
+bool decode_tma_takes(int K) {
+  // From K = 2048 up. H100, CUDA-graph replays, x F.linear, TMA (own split) against the streaming kernel: 16
+  // tokens, 8960 -> 1536 1.11 / 1.21, 8192 -> 2048 1.07 / 1.19, 4096² 1.12 / 1.18, 3072 -> 9216 1.20 / 1.32,
+  // 2048 -> 8192 1.34 / 1.37; 1 token, 8192 -> 2048 1.07 / 1.13. Below, no gain: 1536 -> 8960 1.31 / 1.29 (16
+  // tokens), 1.22 / 1.19 (1 token).
+  return K >= 2048;
+}
+
 int decode_tma_split(int N, int K, int device) {
   // The largest cluster (K split) whose grid runs in one wave, with at least two stages a block.
   const int tiles = (N + kTmaRows - 1) / kTmaRows;

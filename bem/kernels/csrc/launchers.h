@@ -134,6 +134,7 @@ cudaError_t launch_decode_rows(DType dtype, const DecodeArgs& args, cudaStream_t
 // (1, 2, 4 or 8), k_per_split a multiple of 64 (decode_tma_k_per_split). The caller checks that the build has
 // sm_90a code for the device (gemm_update_supported).
 bool decode_tma_fits(const DecodeArgs& args, int cc_major);
+bool decode_tma_takes(int K);  // where the decode dispatch prefers it under capture (above the row kernel's K)
 int decode_tma_split(int N, int K, int device);
 int decode_tma_k_per_split(int K, int split_k);
 cudaError_t launch_decode_tma(DType dtype, const DecodeArgs& args, cudaStream_t stream);
