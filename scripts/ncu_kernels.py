@@ -5,8 +5,8 @@
         python3 scripts/ncu_kernels.py
 
 Each kernel runs once on fresh random inputs: its first launch is the one profiled. `--decode MxKxNxr,...`
-runs instead, at each shape, the default decode dispatch (`linear_forward`, mode 0) and `F.linear` beside it
-(scripts/decode_ncu.sh).
+runs instead, at each shape, the decode dispatch (`linear_forward`, mode 0, or `--mode`/`--split` for one kernel
+and split: 9 is the TMA kernel) and `F.linear` beside it (scripts/decode_ncu.sh).
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ def operands(M: int, K: int, N: int, r: int):
     return x, W, b, V, c, U
 
 
-def decode_shapes(shapes: str) -> None:
+def decode_shapes(shapes: str, mode: int = 0, split: int = 0) -> None:
     C = custom_ops.extension()
     for spec in shapes.split(","):
         M, K, N, r = (int(v) for v in spec.split("x"))
         x, W, b, V, c, U = operands(M, K, N, r)
-        C.linear_forward(x, W, b, V, c, U, 1.0, 0, 0, False)
+        C.linear_forward(x, W, b, V, c, U, 1.0, mode, split, False)
         F.linear(x, W, b)
     torch.cuda.synchronize()
 
@@ -44,9 +44,11 @@ def decode_shapes(shapes: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--decode", help="comma-separated MxKxNxr: the decode dispatch and F.linear at each")
+    parser.add_argument("--mode", type=int, default=0, help="the linear mode at --decode's shapes (0: the dispatch)")
+    parser.add_argument("--split", type=int, default=0, help="its split of K (0: chosen by shape)")
     args = parser.parse_args()
     if args.decode:
-        decode_shapes(args.decode)
+        decode_shapes(args.decode, args.mode, args.split)
         return
     C = custom_ops.extension()
     for r, tokens in ((8, 16), (8, 64), (32, 32), (64, 16)):

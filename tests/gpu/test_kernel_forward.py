@@ -193,7 +193,7 @@ def test_captured_decode_dispatch_takes_the_tma_kernel_from_k_2048(M, K, N, kern
 
     call()  # outside the capture first: the build's sm_90a probe runs here
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
+    graph = torch.cuda.CUDAGraph(keep_graph=True)  # the captured cudaGraph_t stays for the dump
     graph.enable_debug_mode()
     with torch.cuda.graph(graph):
         out = call()
