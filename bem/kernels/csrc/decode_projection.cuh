@@ -205,5 +205,42 @@ __global__ void __launch_bounds__(kThreads) decode_project_kernel(DecodeArgs p) 
 #endif
 }
 
+// ---- host side: the split-K grid the streaming and TMA kernels share ----
+
+// Row tiles of `rows` along x, the K split's thread-block cluster along y; after_projection: a programmatic
+// dependent launch (it may start while the projection launch before it still runs). `attribute` holds two
+// entries and must outlive the launch.
+inline cudaLaunchConfig_t split_k_config(const DecodeArgs& a, int rows, int threads, cudaLaunchAttribute* attribute,
+                                         cudaStream_t stream, int smem_bytes, bool after_projection) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3((a.N + rows - 1) / rows, a.split_k, 1);
+  config.blockDim = dim3(threads, 1, 1);
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = 1;
+  attribute[0].val.clusterDim.y = a.split_k;
+  attribute[0].val.clusterDim.z = 1;
+  attribute[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[1].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = after_projection ? 2 : 1;
+  return config;
+}
+
+// Clusters of `cs` blocks of Kernel resident at once on `device` (common.cuh's resident_clusters_of).
+template <auto Kernel>
+int split_k_resident_clusters(int cs, int device, int rows, int threads, int smem_bytes) {
+  return resident_clusters_of((const void*)Kernel, device, cs, [=](cudaLaunchConfig_t& config,
+                                                                   cudaLaunchAttribute* attribute) {
+    const cudaError_t err = raise_smem_limit<Kernel>(smem_bytes);
+    DecodeArgs probe{};
+    probe.N = rows;
+    probe.split_k = cs;
+    config = split_k_config(probe, rows, threads, attribute, nullptr, smem_bytes, false);
+    return err;
+  });
+}
+
 }  // namespace
 }  // namespace bem

@@ -258,24 +258,6 @@ __global__ void __launch_bounds__(kThreads, 3) decode_stream_kernel(DecodeArgs p
 #endif
 }
 
-cudaLaunchConfig_t stream_config(const DecodeArgs& a, cudaLaunchAttribute* attribute, cudaStream_t stream,
-                                 int smem_bytes, bool after_projection) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((a.N + kRows - 1) / kRows, a.split_k, 1);
-  config.blockDim = dim3(kThreads, 1, 1);
-  config.dynamicSmemBytes = smem_bytes;
-  config.stream = stream;
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = 1;
-  attribute[0].val.clusterDim.y = a.split_k;
-  attribute[0].val.clusterDim.z = 1;
-  attribute[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[1].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = after_projection ? 2 : 1;
-  return config;
-}
-
 template <typename T, int NT, int RS, bool OWN>
 cudaError_t launch_stream(const DecodeArgs& a, cudaStream_t stream) {
   const int smem_bytes = OWN ? kOwnSmemBytes : kRingBytes;
@@ -290,7 +272,8 @@ cudaError_t launch_stream(const DecodeArgs& a, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
   }
   cudaLaunchAttribute attribute[2];
-  const cudaLaunchConfig_t config = stream_config(a, attribute, stream, smem_bytes, /*after_projection=*/!OWN);
+  const cudaLaunchConfig_t config =
+      split_k_config(a, kRows, kThreads, attribute, stream, smem_bytes, /*after_projection=*/!OWN);
   return cudaLaunchKernelEx(&config, decode_stream_kernel<T, NT, RS, OWN>, a);
 }
 
@@ -310,16 +293,8 @@ cudaError_t launch_tokens(const DecodeArgs& a, cudaStream_t stream) {
 // Clusters of `cs` blocks resident at once (common.cuh), for the in-block form, whose shared memory is the
 // larger.
 int resident_clusters(int cs, int device) {
-  constexpr auto kernel = decode_stream_kernel<__nv_bfloat16, 2, 1, true>;
-  return resident_clusters_of((const void*)kernel, device, cs, [cs](cudaLaunchConfig_t& config,
-                                                                    cudaLaunchAttribute* attribute) {
-    const cudaError_t err = raise_smem_limit<kernel>(kOwnSmemBytes);
-    DecodeArgs probe{};
-    probe.N = kRows;
-    probe.split_k = cs;
-    config = stream_config(probe, attribute, nullptr, kOwnSmemBytes, false);
-    return err;
-  });
+  return split_k_resident_clusters<decode_stream_kernel<__nv_bfloat16, 2, 1, true>>(cs, device, kRows, kThreads,
+                                                                                     kOwnSmemBytes);
 }
 
 }  // namespace

@@ -194,24 +194,6 @@ __global__ void __launch_bounds__(kTmaThreads, 3)
 #endif
 }
 
-cudaLaunchConfig_t tma_config(const DecodeArgs& a, cudaLaunchAttribute* attribute, cudaStream_t stream, int smem_bytes,
-                              bool after_projection) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((a.N + kTmaRows - 1) / kTmaRows, a.split_k, 1);
-  config.blockDim = dim3(kTmaThreads, 1, 1);
-  config.dynamicSmemBytes = smem_bytes;
-  config.stream = stream;
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = 1;
-  attribute[0].val.clusterDim.y = a.split_k;
-  attribute[0].val.clusterDim.z = 1;
-  attribute[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[1].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = after_projection ? 2 : 1;  // programmatic dependent launch after the projection
-  return config;
-}
-
 template <typename T, int NTOK, int RS>
 cudaError_t launch_tma(const DecodeArgs& a, cudaStream_t stream) {
   constexpr auto kernel = decode_tma_kernel<T, NTOK, RS>;
@@ -229,7 +211,8 @@ cudaError_t launch_tma(const DecodeArgs& a, cudaStream_t stream) {
   err = cudaLaunchKernelEx(&project, decode_project_kernel<T, NTOK / 8>, a);
   if (err != cudaSuccess) return err;
   cudaLaunchAttribute attribute[2];
-  const cudaLaunchConfig_t config = tma_config(a, attribute, stream, bytes, /*after_projection=*/true);
+  const cudaLaunchConfig_t config =
+      split_k_config(a, kTmaRows, kTmaThreads, attribute, stream, bytes, /*after_projection=*/true);
   return cudaLaunchKernelEx(&config, kernel, w_map, x_map, a);
 }
 
@@ -241,24 +224,16 @@ cudaError_t launch_ranks(const DecodeArgs& a, cudaStream_t stream) {
 }
 
 int resident_clusters(int cs, int device) {
-  constexpr auto kernel = decode_tma_kernel<__nv_bfloat16, 16, 1>;
-  constexpr int bytes = TmaDecodeLayout<16>::total_bytes;
-  return resident_clusters_of((const void*)kernel, device, cs, [cs](cudaLaunchConfig_t& config,
-                                                                    cudaLaunchAttribute* attribute) {
-    const cudaError_t err = raise_smem_limit<kernel>(bytes);
-    DecodeArgs probe{};
-    probe.N = kTmaRows;
-    probe.split_k = cs;
-    config = tma_config(probe, attribute, nullptr, bytes, false);
-    return err;
-  });
+  return split_k_resident_clusters<decode_tma_kernel<__nv_bfloat16, 16, 1>>(cs, device, kTmaRows, kTmaThreads,
+                                                                            TmaDecodeLayout<16>::total_bytes);
 }
 
 }  // namespace
 
 bool decode_tma_fits(const DecodeArgs& a, int cc_major) {
-  // TMA: 16-byte aligned bases and row pitches (K % 8 == 0); X's rows contiguous (the binding's 2-D x).
-  return decode_stream_fits(a, cc_major) && aligned16(a.X) && aligned16(a.W);
+  // The streaming kernel's limits are TMA's too: 16-byte aligned X and W, row pitches K % 8 == 0 (X's rows
+  // contiguous: the binding's 2-D x).
+  return decode_stream_fits(a, cc_major);
 }
 
 bool decode_tma_takes(int K) {
