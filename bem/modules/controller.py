@@ -24,9 +24,10 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from .codes_buffer import codes_buffer
-from .controller_heads import RoutingLevels, StackedWeights, heads_and_gate
+from .controller_heads import RoutingLevels, StackedWeights, first_layer, gate_logit, second_layer
 
 # Gate bias at init: sigmoid(4) ≈ 0.982, so the gate starts close to one (DESIGN §2).
 GATE_INIT_BIAS = 4.0
@@ -153,28 +154,45 @@ class HierarchicalController(nn.Module):
         tau = self.code_clamp_value
         return tau / torch.clamp(norm, min=tau)
 
+    def _combine(self, dynamic: torch.Tensor, gate: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+        """g * (static + scale * dynamic) as (M, B, T, r) codes in out_dtype, through autograd; dynamic (B, T, M, r)."""
+        scale = self.clamp_scale(dynamic)
+        if gate is None:
+            codes = self.static_codes + dynamic * scale
+        else:
+            g = gate.unsqueeze(-1)
+            codes = torch.addcmul(g * self.static_codes, dynamic, g * scale)
+        return codes.permute(2, 0, 1, 3).to(out_dtype).contiguous()
+
+    def _trained_codes(self, first: torch.Tensor, W2: torch.Tensor, b2: torch.Tensor, gate: Optional[torch.Tensor],
+                       out_dtype: torch.dtype) -> torch.Tensor:
+        B, T, _ = first.shape
+        return self._combine(second_layer(first, W2, b2).view(B, T, self.num_modules, self.rank), gate, out_dtype)
+
     def _codes(self, z: torch.Tensor, p: torch.Tensor, chunk_ctx: torch.Tensor, out_dtype: torch.dtype):
         """Combine the levels for tokens with features z, prefix p and chunk context (all (B, T, d)):
         (codes (M, B, T, r) in out_dtype, levels)."""
         B, T, _ = z.shape
         M, r = self.num_modules, self.rank
-        dynamic, logit = heads_and_gate(self, z, p, chunk_ctx)  # prefix + chunk (+ token), one product
-        dynamic = dynamic.view(B, T, M, r)
-        scale = self.clamp_scale(dynamic)
+        first, W2, b2 = first_layer(self, z, p, chunk_ctx)  # prefix + chunk (+ token) and the gate, one product
+        logit = gate_logit(self, first, W2)
         gate = None if logit is None else torch.sigmoid(logit / self.gate_log_temperature.exp())
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
-            # g * (static + scale * dynamic), arranged so autograd keeps one full-size tensor (dynamic)
-            if gate is None:
-                codes = self.static_codes + dynamic * scale
-            else:
-                g = gate.unsqueeze(-1)
-                codes = torch.addcmul(g * self.static_codes, dynamic, g * scale)
-            out = codes.permute(2, 0, 1, 3).to(out_dtype).contiguous()
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # Under autograd the second layer and the clamp are recomputed in the backward instead of keeping
+            # their full-size float32 tensors (tokens x modules x rank, the pre-activation and the clamp's
+            # input) until it: only the first layer's output (controller-wide) is kept, as GELU keeps it anyway.
+            out = checkpoint(self._trained_codes, first, W2, b2, gate, out_dtype, use_reentrant=False,
+                             preserve_rng_state=False)
+        elif torch.is_grad_enabled() or torch.compiler.is_compiling():
+            # arranged so autograd keeps one full-size tensor (dynamic)
+            out = self._combine(second_layer(first, W2, b2).view(B, T, M, r), gate, out_dtype)
             if not torch.is_grad_enabled():  # compiled inference: computed once, not once per module
                 out = codes_buffer(out)
         else:
             # no autograd: scale dynamic in place and write the codes straight into their (M, B, T, r) layout
             # and dtype, two full-size passes instead of five
+            dynamic = second_layer(first, W2, b2).view(B, T, M, r)
+            scale = self.clamp_scale(dynamic)
             out = torch.empty((M, B, T, r), dtype=out_dtype, device=z.device)
             if gate is None:
                 torch.addcmul(self.static_codes, dynamic, scale, out=out.permute(1, 2, 0, 3))

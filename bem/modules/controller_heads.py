@@ -109,20 +109,33 @@ class StackedWeights:
         return self._kept
 
 
-def heads_and_gate(controller: "HierarchicalController", z: torch.Tensor, p: torch.Tensor,
-                   chunk_ctx: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(dynamic (B, T, M*r) before the clamp, gate logit (B, T, 1) or None) for features z, prefix p and chunk
-    context (all (B, T, d)). Under autograd, compilation or a capture not the controller's own the stacked
-    weights are made in the call."""
+def first_layer(controller: "HierarchicalController", z: torch.Tensor, p: torch.Tensor,
+                chunk_ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(first (B, T, heads [+ 1 gate logit]), W2, b2) for features z, prefix p and chunk context (all (B, T, d)).
+    Under autograd, compilation or a capture not the controller's own the stacked weights are made in the call."""
     if controller.stacked.usable(z):
         W1, b1, W2, b2 = controller.stacked.get(controller)
     else:
         W1, b1, W2, b2 = stacked_weights(controller)
-    first = F.linear(torch.cat([z, p, chunk_ctx], dim=-1), W1, b1)
-    heads = W2.shape[1]
-    dynamic = F.linear(F.gelu(first[..., :heads]), W2, b2)
-    logit = first[..., heads:] if controller.gate is not None else None
-    return dynamic, logit
+    return F.linear(torch.cat([z, p, chunk_ctx], dim=-1), W1, b1), W2, b2
+
+
+def second_layer(first: torch.Tensor, W2: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
+    """dynamic (B, T, M*r) before the clamp, from the first layer's output."""
+    return F.linear(F.gelu(first[..., : W2.shape[1]]), W2, b2)
+
+
+def gate_logit(controller: "HierarchicalController", first: torch.Tensor, W2: torch.Tensor) -> Optional[torch.Tensor]:
+    """The gate's logit (B, T, 1), or None without a gate."""
+    return first[..., W2.shape[1] :] if controller.gate is not None else None
+
+
+def heads_and_gate(controller: "HierarchicalController", z: torch.Tensor, p: torch.Tensor,
+                   chunk_ctx: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(dynamic (B, T, M*r) before the clamp, gate logit (B, T, 1) or None) for features z, prefix p and chunk
+    context (all (B, T, d))."""
+    first, W2, b2 = first_layer(controller, z, p, chunk_ctx)
+    return second_layer(first, W2, b2), gate_logit(controller, first, W2)
 
 
 class RoutingLevels(Mapping):
