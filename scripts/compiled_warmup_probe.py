@@ -16,7 +16,6 @@ milliseconds, its per-token time and what dynamo's and inductor's counters gaine
 from __future__ import annotations
 
 import argparse
-import time
 import warnings
 
 import torch
@@ -24,6 +23,7 @@ from torch._dynamo.utils import counters
 
 from bem.profiling.config import load_profile_config
 from bem.profiling.models import build_variants, load_base_model
+from bem.profiling.timing import Clock
 from bem.profiling.workloads import generation
 
 
@@ -54,18 +54,10 @@ def main() -> None:
                    generation(model, batches, 1, 0, compile_backend=backend)) for name, model in models}
     order = ([(i, name) for i in range(args.calls) for name in runs] if args.order == "interleaved"
              else [(i, name) for name in runs for i in range(args.calls)])
-    def timed(run, i: int) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        run(i)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return 1e3 * (time.perf_counter() - start)
-
+    clock = Clock(device)  # as the sweep times (CUDA events on a GPU)
     for i, name in order:
         before = snapshot()
-        full, first = (timed(run, i) for run in runs[name])
+        full, first = (clock.time_ms(lambda: run(i)) for run in runs[name])
         gained = {k: v - before.get(k, 0) for k, v in snapshot().items() if v != before.get(k, 0)}
         print(f"{name:<5} call {i:>2}: {full:8.1f} ms ({first:6.1f} for one token), "
               f"{(full - first) / (new - 1):6.2f} ms a token  {gained}", flush=True)
