@@ -55,11 +55,12 @@ for what in "$@"; do
         step "isolated_$(basename "$file" .py)" 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short "$file"
       done ;;
     kernel-tests) step kernel_tests 200 python3 -m pytest -m gpu -q --maxfail=10 -p no:cacheprovider \
-        tests/gpu/test_kernel_forward.py tests/gpu/test_fused_gemm.py tests/gpu/test_kernel_backward.py \
+        tests/gpu/test_kernel_forward.py tests/gpu/test_decode_kernels.py tests/gpu/test_fused_gemm.py tests/gpu/test_kernel_backward.py \
         tests/gpu/test_kernel_compile_graphs.py ;;
     # the TMA decode kernel (linear mode 9): its float64 tests, the modes' agreement and the kernels' error messages
     tma-tests) step tma_tests 240 python3 -m pytest -m gpu -q --maxfail=10 -p no:cacheprovider -rf --tb=short \
-        tests/gpu/test_kernel_forward.py tests/gpu/test_kernel_errors.py -k "tma or every_linear_mode or kernel_errors" ;;
+        tests/gpu/test_kernel_forward.py tests/gpu/test_decode_kernels.py tests/gpu/test_kernel_errors.py \
+        -k "tma or every_linear_mode or kernel_errors" ;;
     mode-sweep) step mode_sweep 420 env PYTHONPATH=. python3 scripts/linear_mode_sweep.py ${SWEEP_SHAPES:+--shapes "$SWEEP_SHAPES"} ;;
     conv1d-sweep) step conv1d_sweep 420 env PYTHONPATH=. python3 scripts/linear_mode_sweep.py --conv1d \
         ${SWEEP_SHAPES:+--shapes "$SWEEP_SHAPES"} ;;
@@ -142,7 +143,7 @@ yaml.safe_dump(config, open(f"/tmp/compiled_configs/profile_{name}.yaml", "w"), 
           ${HOST_COST_CONFIGS:+--configs "$HOST_COST_CONFIGS"} --json "$OUT/host_cost_r$rank.json"
       done ;;
     gemm-tests) step gemm_tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
-        tests/gpu/test_fused_gemm.py tests/gpu/test_kernel_forward.py ;;
+        tests/gpu/test_fused_gemm.py tests/gpu/test_kernel_forward.py tests/gpu/test_decode_kernels.py ;;
     # the train step's repeats as the profiler times them, three ways (TRAIN_PROBE_CONFIG: a profile name)
     train-repeat-probe) for how in "" "--no-pause" "--collect"; do
         step "train_probe${how:+_${how#--}}" 120 env PYTHONPATH=. python3 scripts/train_repeat_probe.py \
@@ -150,7 +151,7 @@ yaml.safe_dump(config, open(f"/tmp/compiled_configs/profile_{name}.yaml", "w"), 
       done ;;
     # the decoding kernels' tests alone (after a change to their dispatch)
     decode-tests) step decode_tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short \
-        tests/gpu/test_kernel_forward.py -k decode tests/gpu/test_decode_fast_paths.py ;;
+        tests/gpu/test_kernel_forward.py tests/gpu/test_decode_kernels.py -k decode tests/gpu/test_decode_fast_paths.py ;;
     # the inference paths of a wrapped layer and model, each file in a process of its own
     inference-tests) for file in test_decode_fast_paths test_wrapped_model test_decoding_paths; do
         step "inference_$file" ${INFERENCE_TESTS_LIMIT:-200} python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
