@@ -183,8 +183,8 @@ class HierarchicalController(nn.Module):
             # input) until it: only the first layer's output (controller-wide) is kept, as GELU keeps it anyway.
             out = checkpoint(self._trained_codes, first, W2, b2, gate, out_dtype, use_reentrant=False,
                              preserve_rng_state=False)
-        elif torch.is_grad_enabled() or torch.compiler.is_compiling():
-            # arranged so autograd keeps one full-size tensor (dynamic)
+        elif torch.compiler.is_compiling():
+            # traced (with or without autograd): arranged so autograd keeps one full-size tensor (dynamic)
             out = self._combine(second_layer(first, W2, b2).view(B, T, M, r), gate, out_dtype)
             if not torch.is_grad_enabled():  # compiled inference: computed once, not once per module
                 out = codes_buffer(out)
