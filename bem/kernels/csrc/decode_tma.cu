@@ -18,7 +18,6 @@
 // its rows half-way through its slice, with mma.sync on the wgmma accumulators (whose layout for 16 rows x 8
 // tokens is mma.sync's).
 
-#include <cstdlib>
 #include <type_traits>
 
 #include "decode_projection.cuh"
@@ -238,12 +237,6 @@ bool decode_tma_fits(const DecodeArgs& a, int cc_major) {
 }
 
 bool decode_tma_takes(int K) {
-  // Read once: a measurement switch, BEM_DECODE_TMA=0 leaves every captured call to the streaming kernel.
-  static const bool on = [] {
-    const char* v = std::getenv("BEM_DECODE_TMA");
-    return v == nullptr || v[0] != '0';
-  }();
-  if (!on) return false;
   // From K = 2048 up. H100, CUDA-graph replays, x F.linear, TMA (own split) against the streaming kernel: 16
   // tokens, 8960 -> 1536 1.11 / 1.21, 8192 -> 2048 1.07 / 1.19, 4096² 1.12 / 1.18, 3072 -> 9216 1.20 / 1.32,
   // 2048 -> 8192 1.34 / 1.37; 1 token, 8192 -> 2048 1.07 / 1.13. Below, no gain: 1536 -> 8960 1.31 / 1.29 (16
