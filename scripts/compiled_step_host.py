@@ -21,6 +21,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bem.profiling.timing import Clock
 from compiled_decode_breakdown import compiled_generations, per_decoding_step
 
 
@@ -42,19 +43,12 @@ def host_times(run, device: torch.device) -> tuple[dict[str, float], dict[str, i
 
 def wall_split(full, first, device: torch.device, tokens: int, repeats: int) -> str:
     """Median [min, max] wall ms of the 1-token generate and of a decoding step (the difference, per step)."""
+    clock = Clock(device)  # as the sweep times (CUDA events on a GPU)
     prompts, steps = [], []
     for index in range(repeats):
-        timed = []
-        for run in (first, full):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            run(index)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            timed.append(time.perf_counter() - start)
-        prompts.append(1e3 * timed[0])
-        steps.append(1e3 * (timed[1] - timed[0]) / (tokens - 1))
+        prompt, whole = (clock.time_ms(lambda: run(index)) for run in (first, full))
+        prompts.append(prompt)
+        steps.append((whole - prompt) / (tokens - 1))
 
     def show(values: list[float]) -> str:
         return f"{statistics.median(values):.3f} [{min(values):.3f}, {max(values):.3f}]"

@@ -16,7 +16,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from bem.kernels import custom_ops
+from bem.kernels import bench, custom_ops
 
 DT = torch.bfloat16
 
@@ -33,8 +33,7 @@ def operands(M: int, K: int, N: int, r: int):
 
 def decode_shapes(shapes: str, mode: int = 0, split: int = 0) -> None:
     C = custom_ops.extension()
-    for spec in shapes.split(","):
-        M, K, N, r = (int(v) for v in spec.split("x"))
+    for M, K, N, r in bench._parse_shapes(shapes):
         x, W, b, V, c, U = operands(M, K, N, r)
         C.linear_forward(x, W, b, V, c, U, 1.0, mode, split, False)
         F.linear(x, W, b)
