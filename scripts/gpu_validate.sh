@@ -4,7 +4,7 @@
 # Usage: bash scripts/gpu_validate.sh [probe] [errors] [kernel-tests] [gpu-tests] [gpu-tests-isolated]
 #        [mixer-tests] [mixer-errors]
 #        [fftconv-bench] [mlstm-bench] [mlstm-tests] [training-tests] [sweep] [profile] [train] [train-sweep] [breakdown]
-#        [prefill-breakdown] [compiled-breakdown] [controller-profile] [host-cost] [host-cost-ranks] [gemm-tests] [decode-tests] [train-repeat-probe] [inference-tests] [eager-sweep] [compiled-sweep] [compiled-sweep-pack-off] [compiled-host]
+#        [prefill-breakdown] [compiled-breakdown] [controller-profile] [host-cost] [host-cost-ranks] [gemm-tests] [decode-tests] [train-repeat-probe] [inference-tests] [eager-sweep] [compiled-sweep] [compiled-sweep-pack-off] [compiled-host] [warmup-probe]
 #        [tma-tests] [bench] [bench-shapes] [mode-sweep] [conv1d-sweep] [decode-split-sweep] [conv1d-split-sweep] [backward-sweep] [sass] [ncu] [cpu-tests]   (bench-shapes reads
 #        BENCH_SHAPES, e.g. 1x4096x4096x8,...; the sweeps read SWEEP_SHAPES the same way, or sweep their
 #        default shapes; prefill-breakdown reads BREAKDOWN_MODEL: llama-1b or gpt2; sweep reads SWEEP_CONFIGS,
@@ -168,6 +168,12 @@ yaml.safe_dump(config, open(f"/tmp/compiled_configs/profile_{name}.yaml", "w"), 
     # a compiled decoding step's host time by profiler event, base against BEM (COMPILED_HOST_CONFIG: a profile name)
     compiled-host) step compiled_host ${BREAKDOWN_LIMIT:-300} env PYTHONPATH=. python3 scripts/compiled_step_host.py \
         --config "configs/profile_${COMPILED_HOST_CONFIG:-smollm_135m}.yaml" --batch "${COMPILED_HOST_BATCH:-1}" ;;
+    # how many generates compiled decoding takes to reach its speed, base against BEM, with dynamo's and the
+    # CUDA-graph trees' logs (PROBE_CONFIG, PROBE_BATCH, PROBE_CALLS, PROBE_ORDER: interleaved or separate)
+    warmup-probe) step "warmup_probe_${PROBE_ORDER:-interleaved}" ${PROBE_LIMIT:-300} \
+        env PYTHONPATH=. TORCH_LOGS=${PROBE_LOGS:-cudagraphs,recompiles,perf_hints} python3 scripts/compiled_warmup_probe.py \
+        --config "configs/profile_${PROBE_CONFIG:-phi3_mini}.yaml" --batch "${PROBE_BATCH:-16}" \
+        --calls "${PROBE_CALLS:-4}" --order "${PROBE_ORDER:-interleaved}" ;;
     prefill-breakdown) step prefill_breakdown 300 env PYTHONPATH=. python3 scripts/prefill_breakdown.py \
         ${BREAKDOWN_MODEL:+--model "$BREAKDOWN_MODEL"} ;;
     cpu-tests) step cpu_tests 300 python3 -m pytest -q -x -p no:cacheprovider tests --ignore=tests/gpu ;;
