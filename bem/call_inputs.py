@@ -153,9 +153,7 @@ def capture_generate_masks(model: nn.Module, keep: "MaskSlot") -> Iterator[None]
         tokens = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs.get("inputs_embeds")
         converted = not (isinstance(passed, torch.Tensor) and passed.dim() == 2)
         if converted and isinstance(mask, torch.Tensor) and mask.dim() == 2 and tokens is not None:
-            # standard strides (a one-row view counts as contiguous, but keeps its growing row stride): a
-            # compiled decoding step guards on its inputs' strides, and a new stride each step re-records graphs
-            keep.mask = mask[:, -tokens.shape[1]:].clone(memory_format=torch.contiguous_format)
+            keep.hold(mask[:, -tokens.shape[1]:])
         else:
             keep.mask = None
         return inputs
@@ -172,10 +170,30 @@ def capture_generate_masks(model: nn.Module, keep: "MaskSlot") -> Iterator[None]
 
 
 class MaskSlot:
-    """Holds the 2-D mask of the next call's new tokens, captured in generate; read once."""
+    """Holds the 2-D mask of the next call's new tokens, captured in generate; read once.
+
+    The mask is copied into a buffer kept per shape, dtype and device, so that each decoding step finds it at the
+    same address. A compiled step reaches the slot through the model's hooks, so torch.compile takes the mask
+    as a static input, whose address inductor's CUDA graphs bake in: a new tensor each step would re-record
+    them every step."""
+
+    _KEPT_SHAPES = 4  # prefill and decoding shapes of the last few generates; the oldest buffer goes first
 
     def __init__(self) -> None:
         self.mask: Optional[torch.Tensor] = None
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def hold(self, mask: torch.Tensor) -> None:
+        key = (tuple(mask.shape), mask.dtype, mask.device)
+        buffer = self._buffers.pop(key, None)
+        if buffer is None:
+            while len(self._buffers) >= self._KEPT_SHAPES:
+                self._buffers.pop(next(iter(self._buffers)))
+            # standard strides (a one-row view counts as contiguous but keeps its growing row stride): a
+            # compiled step guards on its inputs' strides
+            buffer = torch.empty(mask.shape, dtype=mask.dtype, device=mask.device)
+        self._buffers[key] = buffer  # most recently used last
+        self.mask = buffer.copy_(mask)
 
     def take(self) -> Optional[torch.Tensor]:
         mask, self.mask = self.mask, None
