@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import CompileConfig
+from transformers import AutoModelForCausalLM, CompileConfig, Phi3Config
 
+from bem import HierarchicalBEMConfig, create_hierarchical_bem
+
+from conftest import VOCAB, randomize_bem
 from test_decoding_paths import ARCHS, generate, left_padded, wrapped
 
 
@@ -42,10 +45,22 @@ def addresses(tensors: list[torch.Tensor]) -> int:
     return len({t.data_ptr() for t in tensors})
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+def tiny_phi3():
+    """Phi-3 (fused projections; some transformers releases give it a prepare_inputs_for_generation of its own)."""
+    torch.manual_seed(0)
+    config = Phi3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0,
+                        bos_token_id=1, eos_token_id=2)
+    model = create_hierarchical_bem(AutoModelForCausalLM.from_config(config).eval(), HierarchicalBEMConfig(
+        rank=4, alpha=8.0, chunk_size=3, max_prefix_tokens=5, controller_dim=16, attach_qkv=True))
+    randomize_bem(model, seed=5)
+    return model
+
+
+@pytest.mark.parametrize("arch", ARCHS + ["phi3"])
 def test_the_compiled_steps_static_inputs_keep_their_addresses(arch, load_base):
     torch._dynamo.reset()
-    model = wrapped(load_base, arch, seed=5)
+    model = tiny_phi3() if arch == "phi3" else wrapped(load_base, arch, seed=5)
     runs = static_inputs_per_call(model, *left_padded(seed=6), generates=2)
     parameters = {p.data_ptr() for p in model.parameters()}
     for seen in runs:
