@@ -120,16 +120,19 @@ def test_uncertainty_gate_has_a_learnable_temperature():
 
 @pytest.mark.parametrize("gate", [True, False])
 def test_training_recomputes_the_second_layer_and_clamp_with_the_same_gradients(gate, monkeypatch):
-    """Under autograd the codes' second layer and clamp are recomputed in the backward: the codes and every
-    gradient equal those of the same math kept by autograd (the checkpoint replaced by a plain call), and no
-    tensor of tokens x modules x rank values is kept for the backward."""
+    """Under autograd the codes' second layer and clamp, and the input's normalisation, are recomputed in the
+    backward: the codes and every gradient equal those of the same math kept by autograd (the checkpoints
+    replaced by plain calls), and no tensor of tokens x modules x rank values, nor of tokens x hidden size, is
+    kept for the backward."""
     from bem.modules import controller as controller_module
 
     def run():
         controller = make_controller(seed=9, rank=5, enable_uncertainty=gate, code_clamp_value=0.8).train()
         hidden = torch.randn(2, 7, 12, dtype=torch.float64, requires_grad=True)
         kept = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel()) or t, lambda t: t):
+        # what is kept: its size, and whether it is the input itself (which the model keeps anyway)
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: kept.append((t.numel(), t.data_ptr() == hidden.data_ptr())) or t, lambda t: t):
             codes = controller(hidden).codes
         (codes * torch.linspace(-1, 2, codes.numel(), dtype=codes.dtype).view_as(codes)).sum().backward()
         grads = [hidden.grad] + [param.grad for param in controller.parameters()]
@@ -137,10 +140,13 @@ def test_training_recomputes_the_second_layer_and_clamp_with_the_same_gradients(
 
     codes, grads, kept = run()
     full_size = 2 * 7 * 3 * 5  # B x T x modules x rank (no other tensor of the call has that many values)
-    assert full_size not in kept
+    hidden_size = 2 * 7 * 12  # B x T x hidden
+    assert all(size != full_size for size, _ in kept)
+    assert all(is_input for size, is_input in kept if size == hidden_size)  # the input, not its normalisation
     monkeypatch.setattr(controller_module, "checkpoint", lambda fn, *args, **kwargs: fn(*args))
     plain_codes, plain_grads, plain_kept = run()
-    assert full_size in plain_kept  # without the recompute, autograd keeps the pre-clamp codes
+    assert any(size == full_size for size, _ in plain_kept)  # without the recompute: the pre-clamp codes
+    assert any(size == hidden_size and not is_input for size, is_input in plain_kept)  # and the normalised input
     assert torch.equal(codes, plain_codes)
     for grad, plain in zip(grads, plain_grads):
         assert (grad is None) == (plain is None)

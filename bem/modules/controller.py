@@ -129,6 +129,14 @@ class HierarchicalController(nn.Module):
 
     # ------------------------------------------------------------------ shared pieces
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # Under autograd the normalised hidden states (tokens x hidden size, and a float32 copy of the input
+            # where the controller is float32 on a bf16 model) are recomputed in the backward instead of kept
+            # until it: only the input is kept, which the model's first block keeps anyway.
+            return checkpoint(self._project, hidden, use_reentrant=False, preserve_rng_state=False)
+        return self._project(hidden)
+
+    def _project(self, hidden: torch.Tensor) -> torch.Tensor:
         params_dtype = self.input_proj.weight.dtype
         return self.input_proj(self.input_norm(hidden.to(params_dtype)))
 
