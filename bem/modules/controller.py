@@ -29,6 +29,12 @@ from torch.utils.checkpoint import checkpoint
 from .codes_buffer import codes_buffer
 from .controller_heads import RoutingLevels, StackedWeights, first_layer, gate_logit, second_layer
 
+def _recomputes_in_backward() -> bool:
+    """Eager autograd: the controller's full-size intermediates are recomputed in the backward (checkpoint), not
+    kept; traced code leaves that choice to the compiler."""
+    return torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
 # Gate bias at init: sigmoid(4) ≈ 0.982, so the gate starts close to one (DESIGN §2).
 GATE_INIT_BIAS = 4.0
 
@@ -129,7 +135,7 @@ class HierarchicalController(nn.Module):
 
     # ------------------------------------------------------------------ shared pieces
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if _recomputes_in_backward():
             # Under autograd the normalised hidden states (tokens x hidden size, and a float32 copy of the input
             # where the controller is float32 on a bf16 model) are recomputed in the backward instead of kept
             # until it: only the input is kept, which the model's first block keeps anyway.
@@ -185,7 +191,7 @@ class HierarchicalController(nn.Module):
         first, W2, b2 = first_layer(self, z, p, chunk_ctx)  # prefix + chunk (+ token) and the gate, one product
         logit = gate_logit(self, first, W2)
         gate = None if logit is None else torch.sigmoid(logit / self.gate_log_temperature.exp())
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if _recomputes_in_backward():
             # Under autograd the second layer and the clamp are recomputed in the backward instead of keeping
             # their full-size float32 tensors (tokens x modules x rank, the pre-activation and the clamp's
             # input) until it: only the first layer's output (controller-wide) is kept, as GELU keeps it anyway.
@@ -193,7 +199,7 @@ class HierarchicalController(nn.Module):
                              preserve_rng_state=False)
         elif torch.compiler.is_compiling():
             # traced (with or without autograd): arranged so autograd keeps one full-size tensor (dynamic)
-            out = self._combine(second_layer(first, W2, b2).view(B, T, M, r), gate, out_dtype)
+            out = self._trained_codes(first, W2, b2, gate, out_dtype)
             if not torch.is_grad_enabled():  # compiled inference: computed once, not once per module
                 out = codes_buffer(out)
         else:
