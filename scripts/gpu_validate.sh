@@ -169,11 +169,14 @@ yaml.safe_dump(config, open(f"/tmp/compiled_configs/profile_{name}.yaml", "w"), 
     compiled-host) step compiled_host ${BREAKDOWN_LIMIT:-300} env PYTHONPATH=. python3 scripts/compiled_step_host.py \
         --config "configs/profile_${COMPILED_HOST_CONFIG:-smollm_135m}.yaml" --batch "${COMPILED_HOST_BATCH:-1}" ;;
     # how many generates compiled decoding takes to reach its speed, base against BEM, with dynamo's and the
-    # CUDA-graph trees' logs (PROBE_CONFIG, PROBE_BATCH, PROBE_CALLS, PROBE_ORDER: interleaved or separate)
-    warmup-probe) step "warmup_probe_${PROBE_ORDER:-interleaved}" ${PROBE_LIMIT:-300} \
-        env PYTHONPATH=. TORCH_LOGS=${PROBE_LOGS:-cudagraphs,recompiles,perf_hints} python3 scripts/compiled_warmup_probe.py \
-        --config "configs/profile_${PROBE_CONFIG:-phi3_mini}.yaml" --batch "${PROBE_BATCH:-16}" \
-        --calls "${PROBE_CALLS:-4}" --order "${PROBE_ORDER:-interleaved}" ;;
+    # CUDA-graph trees' logs (PROBE_CONFIG, PROBE_BATCH, PROBE_CALLS, PROBE_ORDER: interleaved or separate); the
+    # stack traces under each CUDA-graph message are dropped (a graph re-recorded every step wrote 775 MB of them)
+    warmup-probe) export PROBE_CONFIG PROBE_BATCH PROBE_CALLS PROBE_ORDER PROBE_LOGS
+      step "warmup_probe_${PROBE_ORDER:-interleaved}" ${PROBE_LIMIT:-300} bash -c 'set -o pipefail
+        PYTHONPATH=. TORCH_LOGS=${PROBE_LOGS:-cudagraphs,recompiles,perf_hints} python3 scripts/compiled_warmup_probe.py \
+          --config "configs/profile_${PROBE_CONFIG:-phi3_mini}.yaml" --batch "${PROBE_BATCH:-16}" \
+          --calls "${PROBE_CALLS:-4}" --order "${PROBE_ORDER:-interleaved}" 2>&1 \
+          | grep -v -E "\[__cudagraphs\]( {2,}|$| $)"' ;;
     prefill-breakdown) step prefill_breakdown 300 env PYTHONPATH=. python3 scripts/prefill_breakdown.py \
         ${BREAKDOWN_MODEL:+--model "$BREAKDOWN_MODEL"} ;;
     cpu-tests) step cpu_tests 300 python3 -m pytest -q -x -p no:cacheprovider tests --ignore=tests/gpu ;;
