@@ -33,6 +33,15 @@ def _keep(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _codes_dtype(first_block: nn.Module, hidden: torch.Tensor) -> torch.dtype:
+    """The dtype the wrapped linears compute in, which the codes are made in: autocast's where it is on (the
+    linears compute in it, and codes of another dtype would be cast once per linear, and each cast kept for the
+    backward), else the first block's."""
+    if torch.is_autocast_enabled(hidden.device.type):
+        return torch.get_autocast_dtype(hidden.device.type)
+    return next((p.dtype for p in first_block.parameters() if p.is_floating_point()), hidden.dtype)
+
+
 @dataclass
 class CallState:
     """What one call of the backbone carries in and out."""
@@ -155,7 +164,7 @@ class CallHooks:
         hidden = args[0] if args else kwargs.get("hidden_states")
         if hidden is None or hidden.dim() != 3:
             raise ValueError("BEM could not read the hidden states entering the first block")
-        dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), hidden.dtype)
+        dtype = _codes_dtype(module, hidden)
         routing = call.previous_part(ROUTING)
         # Some transformers versions run block hooks inside an activation-checkpointed region. The
         # controller runs once per call, so its saved tensors must stay out of that region's

@@ -7,7 +7,9 @@ Per variant, after one warm-up step (the optimizer's state exists): the tensors 
 backward, grouped by dtype and last dimension (unique storages, parameters left out), then on a GPU the
 allocation after the forward and the peaks of the forward, the backward and the optimizer step, each above what
 was allocated before the step. The training benchmark reports only the whole step's peak; this says which phase
-and which saved tensors make the difference.
+and which saved tensors make the difference. With --allocations (GPU only), the blocks the forward allocated that
+are still live after it, grouped by the innermost line of bem, peft or transformers that allocated them: what
+holds memory until the backward without being a saved tensor (a checkpoint's inputs, module attributes).
 """
 
 from __future__ import annotations
@@ -55,6 +57,24 @@ def saved_tensors(model: torch.nn.Module, forward) -> dict[tuple, list[int]]:
     return loss, dict(groups)
 
 
+SITES = ("/bem/", "/peft/", "/transformers/", "/torch/utils/checkpoint")
+
+
+def live_allocations(snapshot: dict) -> dict[str, list[int]]:
+    """site -> [bytes, blocks] of the live blocks with a recorded stack (allocated while history was on)."""
+    sites: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for segment in snapshot["segments"]:
+        for block in segment["blocks"]:
+            frames = block.get("frames") or []
+            if block["state"] != "active_allocated" or not frames:
+                continue
+            site = next((f"{f['filename'].split('site-packages/')[-1]}:{f['line']} {f['name']}" for f in frames
+                         if any(mark in f["filename"] for mark in SITES)), "elsewhere")
+            sites[site][0] += block["size"]
+            sites[site][1] += 1
+    return dict(sites)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
@@ -62,6 +82,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--seq-len", type=int)
     parser.add_argument("--device")
+    parser.add_argument("--allocations", action="store_true",
+                        help="list the forward's live allocations by the line that made them (GPU)")
     args = parser.parse_args()
     config = load_profile_config(args.config)
     device = torch.device(args.device or config.device)
@@ -90,7 +112,14 @@ def main() -> None:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=setup.autocast):
                 return model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, use_cache=False).loss
 
+        record = cuda and args.allocations
+        if record:
+            torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
         loss, groups = saved_tensors(model, forward)
+        sites = None
+        if record:
+            sites = live_allocations(torch.cuda.memory._snapshot())
+            torch.cuda.memory._record_memory_history(enabled=None)
         phases = {}
         if cuda:
             torch.cuda.synchronize(device)
@@ -114,6 +143,10 @@ def main() -> None:
             print(f"  {dtype:<9} last dim {last:>6}: {nbytes / MIB:10.2f} MiB in {count:4d} storages")
         for phase, nbytes in phases.items():
             print(f"  {phase:<15} {nbytes / MIB:10.2f} MiB above the step's start")
+        if sites is not None:
+            print(f"  live after the forward, by the line that allocated ({sum(b for b, _ in sites.values()) / MIB:.2f} MiB):")
+            for site, (nbytes, count) in sorted(sites.items(), key=lambda item: -item[1][0])[:25]:
+                print(f"    {nbytes / MIB:10.2f} MiB in {count:4d} blocks  {site}")
         del loss, step, optimizer
 
 

@@ -270,6 +270,26 @@ def test_autocast_and_fp32_adapters_on_a_bf16_base_match_the_upcast_reference(lo
     assert (out.logits.float() - plain.float()).abs().max() < 0.15 * plain.float().abs().max()
 
 
+def test_codes_are_made_in_the_autocast_dtype(load_base, monkeypatch):
+    """Under autocast the wrapped linears compute in its dtype: the controller (float32 here) makes the codes in
+    it, so that no linear casts them again and keeps its cast for the backward; without autocast, the block's."""
+    base = load_base("llama").to(torch.bfloat16)
+    model = create_hierarchical_bem(base, small_config())
+    for param in model.parameters():
+        if param.requires_grad:
+            param.data = param.data.float()
+    seen = []
+    real = BEMLinear._forward_autocast
+    monkeypatch.setattr(BEMLinear, "_forward_autocast", lambda self, x, codes: seen.append(codes.dtype) or real(self, x, codes))
+    ids = random_ids(2, 8, seed=20)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert seen and set(seen) == {torch.bfloat16}
+    assert model._hooks.last_levels["codes"].dtype == torch.bfloat16
+    model(input_ids=ids)
+    assert model._hooks.last_levels["codes"].dtype == torch.float32  # the first block's first parameter: V
+
+
 @pytest.mark.parametrize("options", [
     dict(num_beams=3, num_return_sequences=2, do_sample=False),
     dict(do_sample=True, num_return_sequences=3),

@@ -10,7 +10,9 @@ autograd formulas. Ops are registered whether or not the extension loaded; only 
     bem::backward_coefficients(G, P, codes, s, dtype) -> (s G ⊙ c, s P ⊙ c, s G ⊙ P) in dtype
 
 x is (M, K), V (K, r), U (N, r), codes (M, r) or None, W (N, K) (row-major or a transposed view).
-The second output, x V in float32 (float64 for float64 inputs), is what the backward reuses.
+The second output is x V in float32 (float64 for float64 inputs). Autograd keeps x and the codes, as LoRA
+keeps x and A x, and the backward recomputes x V from x (one small GEMM) rather than hold M x r float32
+values from the forward to the backward; the backward ops take P = None for that.
 Backward: with G = dY U,
     dX = dY W + s (G ⊙ c) V^T,  dV = s X^T (G ⊙ c),  dU = s dY^T (P ⊙ c),  dcodes = s G ⊙ P.
 W and b are frozen: no dW, no db.
@@ -104,8 +106,8 @@ def backward_coefficients(
 
 @torch.library.custom_op("bem::decode_backward", mutates_args=())
 def decode_backward(
-    x: Tensor, grad_y: Tensor, weight: Optional[Tensor], V: Tensor, U: Tensor, P: Tensor, codes: Optional[Tensor],
-    scaling: float,
+    x: Tensor, grad_y: Tensor, weight: Optional[Tensor], V: Tensor, U: Tensor, P: Optional[Tensor],
+    codes: Optional[Tensor], scaling: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return tuple(_extension().decode_backward(x, grad_y, weight, V, U, P, codes, scaling))
 
@@ -133,6 +135,11 @@ def _(a, b):
 @backward_coefficients.register_fake
 def _(G, P, codes, scaling, dtype):
     return G.new_empty(G.shape, dtype=dtype), P.new_empty(P.shape, dtype=dtype), G.new_empty(G.shape, dtype=dtype)
+
+
+def _kept_or_projected(P: Optional[Tensor], x: Tensor, V: Tensor) -> Tensor:
+    """x V as the forward kept it, or recomputed (autograd keeps none: see the module's note)."""
+    return P if P is not None else lowrank_project(x, V)
 
 
 def _grads_from_g(
@@ -185,7 +192,7 @@ def _dx_in_gemm(grad_y: Tensor, weight: Tensor, V: Tensor) -> bool:
 
 @torch.library.custom_op("bem::prefill_backward", mutates_args=())
 def prefill_backward(
-    x: Tensor, grad_y: Tensor, weight: Tensor, V: Tensor, U: Tensor, P: Tensor, codes: Optional[Tensor],
+    x: Tensor, grad_y: Tensor, weight: Tensor, V: Tensor, U: Tensor, P: Optional[Tensor], codes: Optional[Tensor],
     scaling: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dX, dV, dcodes, dU) of the BEM linear above decode sizes, in one extension call (backward_ops.cpp):
@@ -205,7 +212,7 @@ def _prefill_backward_now(x, grad_y, weight, V, U, P, codes, scaling, need_v=Tru
                                                    need_u))
     dx, G = _extension().update_forward(grad_y, U, codes, V, scaling)
     dx.addmm_(grad_y, weight)
-    dv, dcodes, du = _grads_from_g(x, grad_y, G, P, codes, scaling, need_v, need_u)
+    dv, dcodes, du = _grads_from_g(x, grad_y, G, _kept_or_projected(P, x, V), codes, scaling, need_v, need_u)
     return dx, dv, dcodes, du
 
 
@@ -253,13 +260,14 @@ def lowrank_backward(
     V: Tensor,
     codes: Optional[Tensor],
     U: Tensor,
-    P: Tensor,
+    P: Optional[Tensor],
     scaling: float,
     weight: Optional[Tensor],
     needs: tuple[bool, bool, bool, bool],
     direct: bool = False,
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-    """(dX, dV, dcodes, dU) for the update (plus dY W when `weight` is given); `needs` in that order. `direct`:
+    """(dX, dV, dcodes, dU) for the update (plus dY W when `weight` is given); `needs` in that order. P: x V as
+    the forward gave it, or None (recomputed from x and V). `direct`:
     the backward of eager autograd (`eager_linear`), which calls the extension without the ops' dispatch; the
     ops' own autograd formulas, which torch.compile traces, never pass it."""
     need_x, need_v, need_codes, need_u = needs
@@ -270,6 +278,7 @@ def lowrank_backward(
         return _prefill_backward(grad_y, x, V, codes, U, P, scaling, weight, needs, direct)
     # dX = s (G ⊙ c) V^T has the forward's form with U and V in the roles of V and U: the forward's
     # dispatch gives dX and G = dY U together.
+    P = _kept_or_projected(P, x, V)
     if need_x:
         dx, G = fused_generated_update(grad_y, U, codes, V, scaling)
     else:
@@ -281,32 +290,33 @@ def lowrank_backward(
 def _setup_update(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)  # x V's gradient is always None: no zero tensor for it
     x, V, codes, U, scaling = inputs
-    ctx.save_for_backward(x, V, codes, U, output[1])
+    ctx.save_for_backward(x, V, codes, U)  # x V is recomputed in the backward
     ctx.scaling = scaling
 
 
 def _backward_update(ctx, grad_y, _grad_p):
     if grad_y is None:
         return None, None, None, None, None
-    x, V, codes, U, P = ctx.saved_tensors
+    x, V, codes, U = ctx.saved_tensors
     n = ctx.needs_input_grad
-    dx, dv, dcodes, du = lowrank_backward(grad_y, x, V, codes, U, P, ctx.scaling, None, (n[0], n[1], n[2], n[3]))
+    dx, dv, dcodes, du = lowrank_backward(grad_y, x, V, codes, U, None, ctx.scaling, None, (n[0], n[1], n[2], n[3]))
     return dx, dv, dcodes, du, None
 
 
 def _setup_linear(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
     x, weight, _bias, V, codes, U, scaling = inputs
-    ctx.save_for_backward(x, weight, V, codes, U, output[1])
+    ctx.save_for_backward(x, weight, V, codes, U)  # x V is recomputed in the backward
     ctx.scaling = scaling
 
 
 def _backward_linear(ctx, grad_y, _grad_p):
     if grad_y is None:
         return None, None, None, None, None, None, None
-    x, weight, V, codes, U, P = ctx.saved_tensors
+    x, weight, V, codes, U = ctx.saved_tensors
     n = ctx.needs_input_grad
-    dx, dv, dcodes, du = lowrank_backward(grad_y, x, V, codes, U, P, ctx.scaling, weight, (n[0], n[3], n[4], n[5]))
+    dx, dv, dcodes, du = lowrank_backward(grad_y, x, V, codes, U, None, ctx.scaling, weight,
+                                          (n[0], n[3], n[4], n[5]))
     return dx, None, None, dv, dcodes, du, None
 
 

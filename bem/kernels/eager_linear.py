@@ -25,10 +25,11 @@ class FusedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], V: Tensor, codes: Optional[Tensor],
                 U: Tensor, scaling: float) -> Tensor:
-        # positional (mode 0: by shape; split 0: by shape; keep x V for the backward)
-        y, P = custom_ops._C.linear_forward(x, weight, bias, V, codes, U, scaling, 0, 0, True, None)
+        # positional (mode 0: by shape; split 0: by shape; no x V: the backward recomputes it from x, so that
+        # a training step holds what LoRA's holds, x and an (M, r) tensor, the codes)
+        y, _ = custom_ops._C.linear_forward(x, weight, bias, V, codes, U, scaling, 0, 0, False, None)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(x, weight, V, codes, U, P)
+        ctx.save_for_backward(x, weight, V, codes, U)
         ctx.scaling = scaling
         return y
 
@@ -36,13 +37,13 @@ class FusedLinear(torch.autograd.Function):
     def backward(ctx, grad_y: Optional[Tensor]):
         if grad_y is None:
             return None, None, None, None, None, None, None
-        x, weight, V, codes, U, P = ctx.saved_tensors
+        x, weight, V, codes, U = ctx.saved_tensors
         n = ctx.needs_input_grad
-        rows = P.shape[0]
+        rows = x.numel() // x.shape[-1]
         dy = grad_y.reshape(rows, grad_y.shape[-1]).contiguous()
         x2 = x.reshape(rows, x.shape[-1])
         codes2 = None if codes is None else codes.reshape(rows, codes.shape[-1])
-        dx, dv, dcodes, du = custom_ops.lowrank_backward(dy, x2, V, codes2, U, P, ctx.scaling, weight,
+        dx, dv, dcodes, du = custom_ops.lowrank_backward(dy, x2, V, codes2, U, None, ctx.scaling, weight,
                                                          (n[0], n[3], n[4], n[5]), direct=True)
         dx = None if dx is None else dx.view(x.shape)
         dcodes = None if dcodes is None else dcodes.view(codes.shape)

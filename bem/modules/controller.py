@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .codes_buffer import codes_buffer
 from .controller_heads import RoutingLevels, StackedWeights, first_layer, gate_logit, second_layer
+from .host_copy import HostCopy, host_copy_applies
 
 def _recomputes_in_backward() -> bool:
     """Eager autograd: the controller's full-size intermediates are recomputed in the backward (checkpoint), not
@@ -135,16 +136,26 @@ class HierarchicalController(nn.Module):
 
     # ------------------------------------------------------------------ shared pieces
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        if _recomputes_in_backward():
-            # Under autograd the normalised hidden states (tokens x hidden size, and a float32 copy of the input
-            # where the controller is float32 on a bf16 model) are recomputed in the backward instead of kept
-            # until it: only the input is kept, which the model's first block keeps anyway.
+        if not _recomputes_in_backward():
+            return self._project(hidden)
+        # Under autograd the normalised hidden states (tokens x hidden size, and a float32 copy of the input
+        # where the controller is float32 on a bf16 model) are recomputed in the backward instead of kept until
+        # it. The input itself goes to host memory until then where it needs no gradient: the first block of
+        # an RMSNorm model keeps a float32 copy of it, not the tensor, so on the GPU it would be kept for the
+        # controller alone.
+        if not host_copy_applies(hidden):
             return checkpoint(self._project, hidden, use_reentrant=False, preserve_rng_state=False)
-        return self._project(hidden)
+        kept = HostCopy(hidden)
+        z = checkpoint(self._project_kept, kept, use_reentrant=False, preserve_rng_state=False)
+        kept.release()
+        return z
 
     def _project(self, hidden: torch.Tensor) -> torch.Tensor:
         params_dtype = self.input_proj.weight.dtype
         return self.input_proj(self.input_norm(hidden.to(params_dtype)))
+
+    def _project_kept(self, kept: HostCopy) -> torch.Tensor:
+        return self._project(kept.get())
 
     def check_side(self, side_signals: Optional[torch.Tensor], batch: int) -> None:
         if self.side_proj is None:

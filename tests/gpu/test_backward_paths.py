@@ -262,3 +262,49 @@ def test_eager_autograd_calls_the_extension_directly_with_the_custom_ops_numbers
     for got, want, leaf in zip(eager, through_op, [t for t in leaves if t.requires_grad]):
         assert got.shape == leaf.shape
         assert rel_err(got.reshape(want.shape), want.double()) <= torch.finfo(dtype).eps
+
+
+@pytest.mark.parametrize("path", ["eager", "op"])
+@pytest.mark.parametrize("M", [5, 300])
+def test_autograd_keeps_x_and_the_codes_but_no_float32_x_v(path, M):
+    """What a training step holds between its forward and backward: x and the codes (as LoRA holds x and
+    A x), never the (M, r) float32 x V, which the backward recomputes; at decode sizes and above."""
+    K, N, r = 264, 200, 8
+    x, W, b, V, c, U = operands(M, K, N, r, torch.bfloat16, codes=True, seed=stable_seed(path, M), lead=(1, M))
+    leaves = [t.detach().requires_grad_() for t in (x, V, c, U)]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        if path == "eager":
+            y = ops.bem_linear(leaves[0], W, b, *leaves[1:], 0.6)
+            assert type(y.grad_fn).__name__ == "FusedLinearBackward"
+        else:
+            flat = [t.reshape(M, t.shape[-1]) if t.dim() == 3 else t for t in leaves]
+            y, _ = custom_ops.fused_bem_linear(flat[0], W, b, flat[1], flat[2], flat[3], 0.6)
+    assert saved and all(t.dtype == torch.bfloat16 for t in saved), [(t.dtype, tuple(t.shape)) for t in saved]
+    assert not any(t.shape[-1] == r and t.numel() == M * r and t.data_ptr() != c.data_ptr() for t in saved)
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, leaves, dy)
+    x64, V64, c64, U64 = (t.detach().double().reshape(-1, t.shape[-1]) for t in leaves)
+    G64 = dy.double().reshape(M, N) @ U64
+    P64 = x64 @ V64
+    refs = (0.6 * (G64 * c64) @ V64.t() + dy.double().reshape(M, N) @ W.double(), 0.6 * x64.t() @ (G64 * c64),
+            0.6 * G64 * P64, 0.6 * dy.double().reshape(M, N).t() @ (P64 * c64))
+    for name, g, ref in zip(("dX", "dV", "dcodes", "dU"), got, refs):
+        assert rel_err(g.reshape(ref.shape), ref) < 2e-2, f"{name}: {rel_err(g.reshape(ref.shape), ref):.3g}"
+
+
+@pytest.mark.parametrize("M", [7, 300])
+def test_backward_recomputes_x_v_as_the_given_one(M):
+    """P = None (recomputed from x and V in the extension) gives the gradients a given float32 x V gives."""
+    K, N, r = 136, 264, 13
+    x, W, _, V, c, U = operands(M, K, N, r, torch.bfloat16, codes=True, seed=stable_seed(M, K, N, r))
+    dy = torch.randn(M, N, device="cuda", generator=torch.Generator(device="cuda").manual_seed(M)).to(torch.bfloat16)
+    P = custom_ops._C.project(x, V)
+    if M <= custom_ops.decode_max_tokens():
+        given = custom_ops._C.decode_backward(x, dy, W, V, U, P, c, 0.8)
+        recomputed = custom_ops._C.decode_backward(x, dy, W, V, U, None, c, 0.8)
+    else:
+        given = custom_ops._C.prefill_backward(x, dy, W, V, U, P, c, 0.8, False)
+        recomputed = custom_ops._C.prefill_backward(x, dy, W, V, U, None, c, 0.8, False)
+    for name, a, b in zip(("dX", "dV", "dcodes", "dU"), given, recomputed):
+        assert torch.equal(a, b), name

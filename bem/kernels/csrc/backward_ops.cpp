@@ -53,6 +53,16 @@ void fork_join(int device, Main&& alongside, Side&& beside) {
   C10_CUDA_CHECK(cudaStreamWaitEvent(main.stream(), events.joined, 0));
 }
 
+// P = x V as the forward kept it, or recomputed where the forward kept none: a training step keeps x and
+// the codes alone (as LoRA keeps x and A x), and one small GEMM reading x again replaces M x r float32
+// values held from the forward to the backward. Called under the device guard.
+Tensor kept_or_projected(const OptTensor& P, const Tensor& x, const Tensor& V) {
+  const int64_t M = x.size(0), r = V.size(1);
+  if (!P.has_value()) return project(x, V);
+  check_p_like(*P, "P", x, "x", M, r);
+  return *P;
+}
+
 }  // namespace
 
 // The backward at decode sizes: (dX, dV, dcodes, dU) with dX = dY W + s (G ⊙ c) V^T (without W: the
@@ -60,9 +70,9 @@ void fork_join(int device, Main&& alongside, Side&& beside) {
 // low-rank launches (lowrank_grads.cu) run on a pool stream beside cuBLAS's dY W; one addition joins
 // them. On an H200 at M = 1, 4096², the two took 3.7 and 5.0 us against dY W's 10 us.
 // x: (M, K), grad_y: (M, N), weight: (N, K) (any strides) or None, V: (K, r), U: (N, r), P = x V: (M, r)
-// float32, codes: (M, r) or None; M <= 64.
+// float32 or None (recomputed), codes: (M, r) or None; M <= 64.
 std::tuple<Tensor, Tensor, Tensor, Tensor> decode_backward(const Tensor& x, const Tensor& grad_y, const OptTensor& weight,
-                                                           const Tensor& V, const Tensor& U, const Tensor& P,
+                                                           const Tensor& V, const Tensor& U, const OptTensor& P_kept,
                                                            const OptTensor& codes, double scale) {
   check_update_operands(x, V, codes, U);
   BEM_CHECK(tensor_core_dtype(x), "the decode-size backward takes float16 or bfloat16, got ", x.scalar_type());
@@ -73,13 +83,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> decode_backward(const Tensor& x, cons
   check_contiguous(grad_y, "grad_y");
   BEM_CHECK(grad_y.dim() == 2 && grad_y.size(0) == M && grad_y.size(1) == N, "grad_y must be (M, N) = (", M, ", ",
             N, "), got ", grad_y.sizes());
-  check_p_like(P, "P", x, "x", M, r);
   if (weight.has_value()) {
     check_like(*weight, "weight", x);
     BEM_CHECK(weight->dim() == 2 && weight->size(0) == N && weight->size(1) == K, "weight must be (N, K) = (", N,
               ", ", K, "), got ", weight->sizes());
   }
   const c10::cuda::CUDAGuard guard(x.device());
+  const Tensor P = kept_or_projected(P_kept, x, V);
   Tensor C = at::empty({M, K}, x.options());  // the update's share of dX
   Tensor dV = at::empty({K, r}, x.options());
   Tensor dcodes = at::empty({M, r}, x.options());
@@ -156,10 +166,11 @@ std::tuple<Tensor, Tensor, Tensor> backward_coefficients(const Tensor& G, const 
 // (dx_in_gemm: dY W + (s G ⊙ c) V^T in one pass, W read transposed), or from the update kernels on dY
 // (which give G as well) with cuBLAS adding dY W.
 // x: (M, K), grad_y: (M, N) row-major, weight: (N, K) (any strides), V: (K, r), U: (N, r), P = x V: (M, r)
-// float32, codes: (M, r) or None; float16 or bfloat16. dV and dU come back undefined (None) where not needed.
+// float32 or None (recomputed), codes: (M, r) or None; float16 or bfloat16. dV and dU come back undefined
+// (None) where not needed.
 std::tuple<Tensor, Tensor, Tensor, Tensor> prefill_backward(const Tensor& x, const Tensor& grad_y,
                                                             const Tensor& weight, const Tensor& V, const Tensor& U,
-                                                            const Tensor& P, const OptTensor& codes, double scale,
+                                                            const OptTensor& P_kept, const OptTensor& codes, double scale,
                                                             bool dx_in_gemm, bool need_v, bool need_u) {
   check_update_operands(x, V, codes, U);
   BEM_CHECK(tensor_core_dtype(x), "the prefill backward takes float16 or bfloat16, got ", x.scalar_type());
@@ -168,11 +179,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> prefill_backward(const Tensor& x, con
   check_contiguous(grad_y, "grad_y");
   BEM_CHECK(grad_y.dim() == 2 && grad_y.size(0) == M && grad_y.size(1) == N, "grad_y must be (M, N) = (", M, ", ",
             N, "), got ", grad_y.sizes());
-  check_p_like(P, "P", x, "x", M, r);
   check_like(weight, "weight", x);
   BEM_CHECK(weight.dim() == 2 && weight.size(0) == N && weight.size(1) == K, "weight must be (N, K) = (", N, ", ", K,
             "), got ", weight.sizes());
   const c10::cuda::CUDAGuard guard(x.device());
+  const Tensor P = kept_or_projected(P_kept, x, V);
   Tensor dX, G;
   if (dx_in_gemm) {
     G = project(grad_y, U);

@@ -7,20 +7,21 @@
 
 namespace bem {
 
-// (dX, dV, dcodes, dU) of the BEM linear (weight given) or of the update alone, for 1..64 rows.
+// (dX, dV, dcodes, dU) of the BEM linear (weight given) or of the update alone, for 1..64 rows. P = x V as
+// the forward kept it, or None: recomputed from x and V.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_backward(
     const at::Tensor& x, const at::Tensor& grad_y, const c10::optional<at::Tensor>& weight, const at::Tensor& V,
-    const at::Tensor& U, const at::Tensor& P, const c10::optional<at::Tensor>& codes, double scale);
+    const at::Tensor& U, const c10::optional<at::Tensor>& P, const c10::optional<at::Tensor>& codes, double scale);
 
 // (s G ⊙ codes, s P ⊙ codes, s G ⊙ P) in dtype (float16 or bfloat16) from float32 G and P.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_coefficients(const at::Tensor& G, const at::Tensor& P,
                                                                      const c10::optional<at::Tensor>& codes,
                                                                      double scale, at::ScalarType dtype);
 
-// (dX, dV, dcodes, dU) of the BEM linear above decode sizes; dV and dU undefined where not needed.
+// (dX, dV, dcodes, dU) of the BEM linear above decode sizes; dV and dU undefined where not needed; P as above.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> prefill_backward(
     const at::Tensor& x, const at::Tensor& grad_y, const at::Tensor& weight, const at::Tensor& V,
-    const at::Tensor& U, const at::Tensor& P, const c10::optional<at::Tensor>& codes, double scale, bool dx_in_gemm,
+    const at::Tensor& U, const c10::optional<at::Tensor>& P, const c10::optional<at::Tensor>& codes, double scale, bool dx_in_gemm,
     bool need_v, bool need_u);
 
 }  // namespace bem

@@ -366,7 +366,7 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
   }
   // kGemmThenAddmm
   Tensor P = run_update(x, V, codes, nullptr, nullptr, nullptr, 1.0, false);
-  Tensor Pc = (codes.has_value() ? P * codes->to(at::kFloat) : P) * scale;  // P itself is kept for backward
+  Tensor Pc = (codes.has_value() ? P * codes->to(at::kFloat) : P) * scale;  // P itself is returned
   Tensor Y = base_linear(x, weight, bias);
   Y.addmm_(Pc.to(x.scalar_type()), U.t());
   return {Y, P};
