@@ -120,10 +120,10 @@ def test_uncertainty_gate_has_a_learnable_temperature():
 
 @pytest.mark.parametrize("gate", [True, False])
 def test_training_recomputes_the_second_layer_and_clamp_with_the_same_gradients(gate, monkeypatch):
-    """Under autograd the codes' second layer and clamp, and the input's normalisation, are recomputed in the
-    backward: the codes and every gradient equal those of the same math kept by autograd (the checkpoints
-    replaced by plain calls), and no tensor of tokens x modules x rank values, nor of tokens x hidden size, is
-    kept for the backward."""
+    """Under autograd the heads' two layers, the gate, the clamp and the input's normalisation are recomputed in
+    the backward: the codes and every gradient equal those of the same math kept by autograd (the checkpoints
+    replaced by plain calls), and no tensor of tokens x modules x rank values, of the first layer's width, nor of
+    tokens x hidden size, is kept for the backward."""
     from bem.modules import controller as controller_module
 
     def run():
@@ -141,11 +141,14 @@ def test_training_recomputes_the_second_layer_and_clamp_with_the_same_gradients(
     codes, grads, kept = run()
     full_size = 2 * 7 * 3 * 5  # B x T x modules x rank (no other tensor of the call has that many values)
     hidden_size = 2 * 7 * 12  # B x T x hidden
+    first_sizes = {2 * 7 * 3 * 8, 2 * 7 * (3 * 8 + 1)}  # the heads' first layer: its input, its output
     assert all(size != full_size for size, _ in kept)
+    assert all(size not in first_sizes for size, _ in kept)
     assert all(is_input for size, is_input in kept if size == hidden_size)  # the input, not its normalisation
     monkeypatch.setattr(controller_module, "checkpoint", lambda fn, *args, **kwargs: fn(*args))
     plain_codes, plain_grads, plain_kept = run()
     assert any(size == full_size for size, _ in plain_kept)  # without the recompute: the pre-clamp codes
+    assert any(size in first_sizes for size, _ in plain_kept)  # the first layer's input and output
     assert any(size == hidden_size and not is_input for size, is_input in plain_kept)  # and the normalised input
     assert torch.equal(codes, plain_codes)
     for grad, plain in zip(grads, plain_grads):

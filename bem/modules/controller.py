@@ -194,36 +194,47 @@ class HierarchicalController(nn.Module):
         B, T, _ = first.shape
         return self._combine(second_layer(first, W2, b2).view(B, T, self.num_modules, self.rank), gate, out_dtype)
 
+    def _gate(self, first: torch.Tensor, W2: torch.Tensor) -> Optional[torch.Tensor]:
+        logit = gate_logit(self, first, W2)
+        return None if logit is None else torch.sigmoid(logit / self.gate_log_temperature.exp())
+
+    def _codes_and_gate(self, z: torch.Tensor, p: torch.Tensor, chunk_ctx: torch.Tensor,
+                        out_dtype: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        first, W2, b2 = first_layer(self, z, p, chunk_ctx)
+        gate = self._gate(first, W2)
+        return self._trained_codes(first, W2, b2, gate, out_dtype), gate
+
     def _codes(self, z: torch.Tensor, p: torch.Tensor, chunk_ctx: torch.Tensor, out_dtype: torch.dtype):
         """Combine the levels for tokens with features z, prefix p and chunk context (all (B, T, d)):
         (codes (M, B, T, r) in out_dtype, levels)."""
         B, T, _ = z.shape
         M, r = self.num_modules, self.rank
-        first, W2, b2 = first_layer(self, z, p, chunk_ctx)  # prefix + chunk (+ token) and the gate, one product
-        logit = gate_logit(self, first, W2)
-        gate = None if logit is None else torch.sigmoid(logit / self.gate_log_temperature.exp())
         if _recomputes_in_backward():
-            # Under autograd the second layer and the clamp are recomputed in the backward instead of keeping
-            # their full-size float32 tensors (tokens x modules x rank, the pre-activation and the clamp's
-            # input) until it: only the first layer's output (controller-wide) is kept, as GELU keeps it anyway.
-            out = checkpoint(self._trained_codes, first, W2, b2, gate, out_dtype, use_reentrant=False,
-                             preserve_rng_state=False)
-        elif torch.compiler.is_compiling():
-            # traced (with or without autograd): arranged so autograd keeps one full-size tensor (dynamic)
-            out = self._trained_codes(first, W2, b2, gate, out_dtype)
-            if not torch.is_grad_enabled():  # compiled inference: computed once, not once per module
-                out = codes_buffer(out)
+            # Under autograd both layers of the heads, the gate and the clamp are recomputed in the backward
+            # instead of keeping their tensors until it (the full-size float32 ones, tokens x modules x rank, and
+            # the first layer's input and output, tokens x 3 controller widths each): only z, p and the chunk
+            # context are kept.
+            out, gate = checkpoint(self._codes_and_gate, z, p, chunk_ctx, out_dtype, use_reentrant=False,
+                                   preserve_rng_state=False)
         else:
-            # no autograd: scale dynamic in place and write the codes straight into their (M, B, T, r) layout
-            # and dtype, two full-size passes instead of five
-            dynamic = second_layer(first, W2, b2).view(B, T, M, r)
-            scale = self.clamp_scale(dynamic)
-            out = torch.empty((M, B, T, r), dtype=out_dtype, device=z.device)
-            if gate is None:
-                torch.addcmul(self.static_codes, dynamic, scale, out=out.permute(1, 2, 0, 3))
+            first, W2, b2 = first_layer(self, z, p, chunk_ctx)  # prefix + chunk (+ token) and the gate, one product
+            gate = self._gate(first, W2)
+            if torch.compiler.is_compiling():
+                # traced (with or without autograd): arranged so autograd keeps one full-size tensor (dynamic)
+                out = self._trained_codes(first, W2, b2, gate, out_dtype)
+                if not torch.is_grad_enabled():  # compiled inference: computed once, not once per module
+                    out = codes_buffer(out)
             else:
-                g = gate.unsqueeze(-1)
-                torch.addcmul(dynamic.mul_(g * scale), g, self.static_codes, out=out.permute(1, 2, 0, 3))
+                # no autograd: scale dynamic in place and write the codes straight into their (M, B, T, r) layout
+                # and dtype, two full-size passes instead of five
+                dynamic = second_layer(first, W2, b2).view(B, T, M, r)
+                scale = self.clamp_scale(dynamic)
+                out = torch.empty((M, B, T, r), dtype=out_dtype, device=z.device)
+                if gate is None:
+                    torch.addcmul(self.static_codes, dynamic, scale, out=out.permute(1, 2, 0, 3))
+                else:
+                    g = gate.unsqueeze(-1)
+                    torch.addcmul(dynamic.mul_(g * scale), g, self.static_codes, out=out.permute(1, 2, 0, 3))
         gate_seen = None if gate is None else gate.detach()
         codes_seen = out.detach().permute(1, 2, 0, 3)
         if self.training and torch.is_grad_enabled():
