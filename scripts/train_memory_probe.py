@@ -30,28 +30,18 @@ from train_setups import SETUPS, set_trainable_dtype, training_step  # noqa: E40
 
 from bem.profiling.config import load_profile_config  # noqa: E402
 from bem.profiling.models import build_variants, load_base_model, vocab_size  # noqa: E402
+from bem.profiling.workloads import saved_storages  # noqa: E402
 
 MIB = 2 ** 20
 
 
 def saved_tensors(model: torch.nn.Module, forward) -> dict[tuple, list[int]]:
     """(dtype, last dim) -> [bytes, storages] of what `forward` saves for the backward; returns its loss too."""
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, tuple[tuple, int]] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in weights:
-            key = (str(tensor.dtype).replace("torch.", ""), tensor.shape[-1] if tensor.dim() else 0)
-            previous = storages.get(storage.data_ptr())
-            if previous is None or previous[1] < storage.nbytes():
-                storages[storage.data_ptr()] = (key, storage.nbytes())
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_storages(model) as storages:
         loss = forward()
     groups: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
-    for key, nbytes in storages.values():
+    for dtype, last, nbytes in storages.values():
+        key = (str(dtype).replace("torch.", ""), last)
         groups[key][0] += nbytes
         groups[key][1] += 1
     return loss, dict(groups)

@@ -30,6 +30,7 @@ from .codes_buffer import codes_buffer
 from .controller_heads import RoutingLevels, StackedWeights, first_layer, gate_logit, second_layer
 from .host_copy import HostCopy, host_copy_applies
 
+
 def _recomputes_in_backward() -> bool:
     """Eager autograd: the controller's full-size intermediates are recomputed in the backward (checkpoint), not
     kept; traced code leaves that choice to the compiler."""
@@ -189,20 +190,18 @@ class HierarchicalController(nn.Module):
             codes = torch.addcmul(g * self.static_codes, dynamic, g * scale)
         return codes.permute(2, 0, 1, 3).to(out_dtype).contiguous()
 
-    def _trained_codes(self, first: torch.Tensor, W2: torch.Tensor, b2: torch.Tensor, gate: Optional[torch.Tensor],
-                       out_dtype: torch.dtype) -> torch.Tensor:
-        B, T, _ = first.shape
-        return self._combine(second_layer(first, W2, b2).view(B, T, self.num_modules, self.rank), gate, out_dtype)
-
     def _gate(self, first: torch.Tensor, W2: torch.Tensor) -> Optional[torch.Tensor]:
         logit = gate_logit(self, first, W2)
         return None if logit is None else torch.sigmoid(logit / self.gate_log_temperature.exp())
 
     def _codes_and_gate(self, z: torch.Tensor, p: torch.Tensor, chunk_ctx: torch.Tensor,
                         out_dtype: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        first, W2, b2 = first_layer(self, z, p, chunk_ctx)
+        """(codes (M, B, T, r) in out_dtype, gate) through autograd."""
+        B, T, _ = z.shape
+        first, W2, b2 = first_layer(self, z, p, chunk_ctx)  # prefix + chunk (+ token) and the gate, one product
         gate = self._gate(first, W2)
-        return self._trained_codes(first, W2, b2, gate, out_dtype), gate
+        dynamic = second_layer(first, W2, b2).view(B, T, self.num_modules, self.rank)
+        return self._combine(dynamic, gate, out_dtype), gate
 
     def _codes(self, z: torch.Tensor, p: torch.Tensor, chunk_ctx: torch.Tensor, out_dtype: torch.dtype):
         """Combine the levels for tokens with features z, prefix p and chunk context (all (B, T, d)):
@@ -216,25 +215,24 @@ class HierarchicalController(nn.Module):
             # context are kept.
             out, gate = checkpoint(self._codes_and_gate, z, p, chunk_ctx, out_dtype, use_reentrant=False,
                                    preserve_rng_state=False)
+        elif torch.compiler.is_compiling():
+            # traced (with or without autograd): arranged so autograd keeps one full-size tensor (dynamic)
+            out, gate = self._codes_and_gate(z, p, chunk_ctx, out_dtype)
+            if not torch.is_grad_enabled():  # compiled inference: computed once, not once per module
+                out = codes_buffer(out)
         else:
-            first, W2, b2 = first_layer(self, z, p, chunk_ctx)  # prefix + chunk (+ token) and the gate, one product
+            # no autograd: scale dynamic in place and write the codes straight into their (M, B, T, r) layout and
+            # dtype, two full-size passes instead of five
+            first, W2, b2 = first_layer(self, z, p, chunk_ctx)
             gate = self._gate(first, W2)
-            if torch.compiler.is_compiling():
-                # traced (with or without autograd): arranged so autograd keeps one full-size tensor (dynamic)
-                out = self._trained_codes(first, W2, b2, gate, out_dtype)
-                if not torch.is_grad_enabled():  # compiled inference: computed once, not once per module
-                    out = codes_buffer(out)
+            dynamic = second_layer(first, W2, b2).view(B, T, M, r)
+            scale = self.clamp_scale(dynamic)
+            out = torch.empty((M, B, T, r), dtype=out_dtype, device=z.device)
+            if gate is None:
+                torch.addcmul(self.static_codes, dynamic, scale, out=out.permute(1, 2, 0, 3))
             else:
-                # no autograd: scale dynamic in place and write the codes straight into their (M, B, T, r) layout
-                # and dtype, two full-size passes instead of five
-                dynamic = second_layer(first, W2, b2).view(B, T, M, r)
-                scale = self.clamp_scale(dynamic)
-                out = torch.empty((M, B, T, r), dtype=out_dtype, device=z.device)
-                if gate is None:
-                    torch.addcmul(self.static_codes, dynamic, scale, out=out.permute(1, 2, 0, 3))
-                else:
-                    g = gate.unsqueeze(-1)
-                    torch.addcmul(dynamic.mul_(g * scale), g, self.static_codes, out=out.permute(1, 2, 0, 3))
+                g = gate.unsqueeze(-1)
+                torch.addcmul(dynamic.mul_(g * scale), g, self.static_codes, out=out.permute(1, 2, 0, 3))
         gate_seen = None if gate is None else gate.detach()
         codes_seen = out.detach().permute(1, 2, 0, 3)
         if self.training and torch.is_grad_enabled():

@@ -7,8 +7,9 @@ input batches) for one model; the same inputs are shared by every variant.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -95,23 +96,32 @@ def training_step(model: nn.Module, batches: list[torch.Tensor], learning_rate: 
 def step_memory(model: nn.Module, step: Callable[[int], Any], device: torch.device) -> dict[str, Optional[int]]:
     """Memory of one training step: activation bytes saved for backward (any device; parameters not
     counted) and, on a GPU, the peak allocated above what was allocated before the step."""
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in weights:
-            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
-        return tensor
-
     peak: Optional[int] = None
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with saved_storages(model) as seen:
         step(0)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         peak = int(torch.cuda.max_memory_allocated(device) - before)
-    return {"saved_for_backward_bytes": int(sum(seen.values())), "peak_step_bytes": peak}
+    return {"saved_for_backward_bytes": int(sum(nbytes for _, _, nbytes in seen.values())), "peak_step_bytes": peak}
+
+
+@contextlib.contextmanager
+def saved_storages(model: nn.Module) -> Iterator[dict[int, tuple[torch.dtype, int, int]]]:
+    """What autograd saves for the backward inside the block, the model's parameters left out: storage address ->
+    (dtype, last dimension of a tensor saved from it, the storage's bytes). No tensor is held."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, tuple[torch.dtype, int, int]] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        address = storage.data_ptr()
+        if address not in weights and (address not in seen or seen[address][2] < storage.nbytes()):
+            seen[address] = (tensor.dtype, tensor.shape[-1] if tensor.dim() else 0, storage.nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield seen
