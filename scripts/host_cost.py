@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from transformers.pytorch_utils import Conv1D
 
 from bem.kernels import custom_ops, ops
+from bem.modules import bem_linear
 from bem.modules.bem_linear import BEMLinear, RoutingContext
 
 SHAPES = {  # (K, N) of the wrapped linears, one of each kind
@@ -88,7 +89,7 @@ def old_forward(self: BEMLinear, x: torch.Tensor) -> torch.Tensor:
     if not context.enabled:
         return self._modules["base_layer"](x)
     codes = None if context.codes is None else context.codes[self.module_index]
-    return self._forward_checked(x, codes)
+    return bem_linear._forward_checked(self, self.spec, x, codes)
 
 
 def per_call_rows(names: list[str], rank: int) -> list[dict]:

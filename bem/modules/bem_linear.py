@@ -89,25 +89,34 @@ class BEMLinear(nn.Module):
         self.base_layer = base_layer
         self.in_features, self.out_features = in_features, out_features
         self.rank = rank
-        self.scaling = alpha / rank
-        self.module_index = module_index
-        self.use_fused_kernels = use_fused_kernels
         self.name = name
         self.context = context
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        self.has_dropout = dropout > 0
-        self.is_conv1d = isinstance(base_layer, Conv1D)
         weight = base_layer.weight
         # A layer whose forward is its own (a quantized linear that dequantizes, a subclass that computes something
         # else) is called as it is, with the update added; BEM's kernels multiply by the weight only of a layer
         # that is nn.Linear's or Conv1D's own product of a floating-point weight.
-        self.owns_product = (type(base_layer).forward in (nn.Linear.forward, Conv1D.forward)
-                             and weight.dtype in ADAPTER_DTYPES)
+        owns_product = (type(base_layer).forward in (nn.Linear.forward, Conv1D.forward)
+                        and weight.dtype in ADAPTER_DTYPES)
+        # What a call reads of the module, as one tuple of constants (the properties below name its fields): a
+        # compiled call guards the tuple, where it guarded each of six attributes (with the helpers as module
+        # functions, a 112-linear model's decoding step checks 3,804 guards instead of 4,473), and an eager call
+        # reads one attribute instead of six.
+        self.spec: tuple[int, float, bool, bool, bool, bool] = (
+            module_index, alpha / rank, isinstance(base_layer, Conv1D), owns_product, dropout > 0, use_fused_kernels)
         factory = {"device": weight.device, "dtype": adapter_dtype(base_layer)}
         self.bem_V = nn.Parameter(torch.empty(in_features, rank, **factory))
         self.bem_U = nn.Parameter(torch.zeros(out_features, rank, **factory))
         self.reset_bem_parameters()
         self._v_t = ops.TransposeKeeper()  # V^T for the prefill kernels that read it, at inference
+
+    module_index = property(lambda self: self.spec[0], doc="This module's index into the controller's codes.")
+    scaling = property(lambda self: self.spec[1], doc="s = alpha / rank.")
+    is_conv1d = property(lambda self: self.spec[2], doc="The base layer is transformers' Conv1D (W stored K x N).")
+    owns_product = property(lambda self: self.spec[3],
+                            doc="The base layer's output is its floating-point weight's product (the kernels').")
+    has_dropout = property(lambda self: self.spec[4], doc="Dropout before the update (training only).")
+    use_fused_kernels = property(lambda self: self.spec[5], doc="Whether calls may take BEM's CUDA kernels.")
 
     def reset_bem_parameters(self) -> None:
         # V^T plays LoRA's A (r x K): Kaiming-uniform as LoRA initialises A; U = 0 keeps the base exact.
@@ -137,62 +146,31 @@ class BEMLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Hot path: at decode sizes, and for short prompts, generation is bound by host time, and each
         # call's Python cost is what users pay. Parameters and the base layer are read from nn.Module's
-        # dicts, which costs a tenth of its attribute lookup (about 1 µs a name).
+        # dicts, which costs a tenth of its attribute lookup (about 1 µs a name), and the helpers are module
+        # functions, not methods: a compiled call guards every method it looks up on every module.
         context = self.context
         if not context.enabled:
             return self._modules["base_layer"](x)
-        codes = None if context.codes is None else context.codes[self.module_index]
+        spec = self.spec
+        index, scaling, is_conv1d, owns_product, has_dropout, use_fused = spec
+        codes = None if context.codes is None else context.codes[index]
         if context.weights is not None:  # compiled, no grad, inside generate: V and U from the adapter pack
-            return self._forward_checked(x, codes, context.weights[self.module_index])
+            return _forward_checked(self, spec, x, codes, context.weights[index])
         params = self._parameters
         V = params["bem_V"]
         # Inference in V's dtype (grad mode, tracing, autocast and device: `_inference_call`) goes straight to
         # the extension, which checks the operands' shapes itself (the general path below compares them in
         # Python, a microsecond a call) and refuses what it does not take as it is: that call then takes the
         # general path.
-        if (x.dtype == V.dtype and self.use_fused_kernels and self.owns_product
-                and (codes is None or codes.dtype == V.dtype) and not (self.has_dropout and self.training)
+        if (x.dtype == V.dtype and use_fused and owns_product
+                and (codes is None or codes.dtype == V.dtype) and not (has_dropout and self.training)
                 and ops._inference_call(x, V)):
-            weight, bias = self._base_weight_and_bias()
-            y = ops.direct_linear(x, weight.t() if self.is_conv1d else weight, bias, V, codes, params["bem_U"],
-                                  self.scaling, self._v_t)
+            weight, bias = _base_weight_and_bias(self)
+            y = ops.direct_linear(x, weight.t() if is_conv1d else weight, bias, V, codes, params["bem_U"],
+                                  scaling, self._v_t)
             if y is not None:
                 return y
-        return self._forward_checked(x, codes)
-
-    def _forward_checked(self, x: torch.Tensor, codes: Optional[torch.Tensor],
-                         packed: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-        """Every other call: codes laid out as x, autocast, casts, dropout, layers with their own forward.
-        `packed`: this module's (V, U) read from the adapter pack, equal to its parameters."""
-        if codes is not None and codes.shape[:-1] != x.shape[:-1]:
-            codes = self._reshape_codes(codes, x)
-        if torch.is_autocast_enabled("cuda") if x.is_cuda else torch.is_autocast_enabled(x.device.type):
-            return self._forward_autocast(x, codes)
-        params = self._parameters
-        V, U = packed if packed is not None else (params["bem_V"], params["bem_U"])
-        if x.dtype != V.dtype or (self.has_dropout and self.training) or not self.owns_product:
-            return self._forward_base_plus_update(x, codes, V.dtype)
-        if codes is not None and codes.dtype != V.dtype:
-            codes = codes.to(V.dtype)
-        return self._fused(x, V, codes, U, own_v=packed is None)
-
-    def _fused(self, x: torch.Tensor, V: torch.Tensor, codes: Optional[torch.Tensor], U: torch.Tensor,
-               own_v: bool) -> torch.Tensor:
-        """own_v: V is this module's parameter (not a cast copy, not the adapter pack's view), whose transpose
-        the module keeps for the prefill kernels."""
-        weight, bias = self._base_weight_and_bias()
-        return ops.bem_linear(x, weight.t() if self.is_conv1d else weight, bias, V, codes, U, self.scaling,
-                              self.use_fused_kernels, v_t=self._v_t if own_v else None)
-
-    def _base_weight_and_bias(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        base = self._modules["base_layer"]
-        found = base._parameters
-        # a weight or bias that is not a registered parameter (a buffer, a property) is read by attribute
-        weight = found.get("weight")
-        if weight is None:
-            weight = base.weight
-        bias = found["bias"] if "bias" in found else getattr(base, "bias", None)
-        return weight, bias
+        return _forward_checked(self, spec, x, codes)
 
     def _forward_autocast(self, x: torch.Tensor, codes: Optional[torch.Tensor]) -> torch.Tensor:
         """Under autocast the update runs in the autocast dtype, as `F.linear` does: only the small
@@ -209,7 +187,7 @@ class BEMLinear(nn.Module):
             V = self.bem_V
             V_cast = V.to(dtype)
             with torch.autocast(x.device.type, enabled=False):
-                return self._fused(x, V_cast, codes, self.bem_U.to(dtype), own_v=V_cast is V)
+                return _fused(self, self.spec, x, V_cast, codes, self.bem_U.to(dtype), own_v=V_cast is V)
         return self._forward_base_plus_update(x, codes, dtype)
 
     def _forward_base_plus_update(self, x: torch.Tensor, codes: Optional[torch.Tensor],
@@ -234,3 +212,42 @@ class BEMLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, scaling={self.scaling:g}"
+
+
+def _forward_checked(module: BEMLinear, spec: tuple, x: torch.Tensor, codes: Optional[torch.Tensor],
+                     packed: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """Every other call: codes laid out as x, autocast, casts, dropout, layers with their own forward.
+    `packed`: the module's (V, U) read from the adapter pack, equal to its parameters."""
+    if codes is not None and codes.shape[:-1] != x.shape[:-1]:
+        codes = module._reshape_codes(codes, x)
+    if torch.is_autocast_enabled("cuda") if x.is_cuda else torch.is_autocast_enabled(x.device.type):
+        return module._forward_autocast(x, codes)
+    _, scaling, is_conv1d, owns_product, has_dropout, use_fused = spec
+    params = module._parameters
+    V, U = packed if packed is not None else (params["bem_V"], params["bem_U"])
+    if x.dtype != V.dtype or (has_dropout and module.training) or not owns_product:
+        return module._forward_base_plus_update(x, codes, V.dtype)
+    if codes is not None and codes.dtype != V.dtype:
+        codes = codes.to(V.dtype)
+    return _fused(module, spec, x, V, codes, U, own_v=packed is None)
+
+
+def _fused(module: BEMLinear, spec: tuple, x: torch.Tensor, V: torch.Tensor, codes: Optional[torch.Tensor],
+           U: torch.Tensor, own_v: bool) -> torch.Tensor:
+    """own_v: V is the module's parameter (not a cast copy, not the adapter pack's view), whose transpose the
+    module keeps for the prefill kernels."""
+    _, scaling, is_conv1d, _, _, use_fused = spec
+    weight, bias = _base_weight_and_bias(module)
+    return ops.bem_linear(x, weight.t() if is_conv1d else weight, bias, V, codes, U, scaling, use_fused,
+                          v_t=module._v_t if own_v else None)
+
+
+def _base_weight_and_bias(module: BEMLinear) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    base = module._modules["base_layer"]
+    found = base._parameters
+    # a weight or bias that is not a registered parameter (a buffer, a property) is read by attribute
+    weight = found.get("weight")
+    if weight is None:
+        weight = base.weight
+    bias = found["bias"] if "bias" in found else getattr(base, "bias", None)
+    return weight, bias

@@ -17,11 +17,12 @@ B, T, H = 2, 4099, 2048  # 32 MiB of bf16 hidden states
 def _run(dtype: torch.dtype, seed: int):
     torch.manual_seed(seed)
     controller = HierarchicalController(hidden_size=H, num_modules=6, rank=8, token_module_indices=[1, 4],
-                                        controller_dim=64, chunk_size=32).to("cuda", dtype).train()
-    with torch.no_grad():
+                                        controller_dim=64, chunk_size=32).to("cuda").train()
+    with torch.no_grad():  # drawn in float32, then cast: the same values in every dtype
         for name, param in controller.named_parameters():
             if param.dim() >= 1 and name != "static_codes":
                 param.normal_(std=0.05)
+    controller.to(dtype)
     dcodes = torch.randn(6, B, T, 8, device="cuda").to(dtype)
     # a first call on a short input: what the first calls of a process allocate for good (cuBLAS's workspace
     # for this stream, 32 MiB, about the size of the hidden states below) is not counted as held
@@ -36,7 +37,7 @@ def _run(dtype: torch.dtype, seed: int):
     torch.empty(1, device="cuda")  # lets the allocator take back blocks whose side-stream uses have ended
     held = torch.cuda.memory_allocated() - before  # what the forward left for the backward, the codes included
     codes.backward(dcodes)
-    grads = [param.grad.clone() for param in controller.parameters()]
+    grads = {name: param.grad.clone() for name, param in controller.named_parameters()}
     return codes.detach(), grads, held
 
 
@@ -48,8 +49,13 @@ def test_controller_sends_its_input_to_host_memory_with_the_same_gradients(dtype
     hidden_bytes = B * T * H * 2
     # kept on the GPU, the input is what the plain controller holds more (and all it holds more)
     assert 0.95 * hidden_bytes <= plain_held - held <= 1.05 * hidden_bytes, (held / 2**20, plain_held / 2**20)
-    # the same math on the same values; the chunk sums' scatter_add adds in any order on a GPU
-    tol = dict(rtol=2e-2, atol=2e-3) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(codes, plain_codes, **tol)
-    for grad, plain in zip(grads, plain_grads):
-        torch.testing.assert_close(grad, plain, **tol)
+    # the same math on the same values, so as close to a float64 controller as the plain one is: the chunk
+    # sums' scatter_add adds in any order on a GPU, so the two need not agree bit for bit, and in bf16 a
+    # reordered sum of 8,198 tokens moves a gradient by more than any fixed tolerance would allow
+    ref_codes, ref_grads, _ = _run(torch.float64, seed=5)
+    eps = torch.finfo(dtype).eps
+    for name, got, plain, ref in [("codes", codes, plain_codes, ref_codes),
+                                  *((n, grads[n], plain_grads[n], ref_grads[n]) for n in ref_grads)]:
+        err = (got.double() - ref).abs().max().item()
+        plain_err = (plain.double() - ref).abs().max().item()
+        assert err <= 2 * plain_err + eps * ref.abs().max().item(), (name, err, plain_err)
