@@ -222,7 +222,7 @@ def _forward_checked(module: BEMLinear, spec: tuple, x: torch.Tensor, codes: Opt
         codes = module._reshape_codes(codes, x)
     if torch.is_autocast_enabled("cuda") if x.is_cuda else torch.is_autocast_enabled(x.device.type):
         return module._forward_autocast(x, codes)
-    _, scaling, is_conv1d, owns_product, has_dropout, use_fused = spec
+    owns_product, has_dropout = spec[3], spec[4]
     params = module._parameters
     V, U = packed if packed is not None else (params["bem_V"], params["bem_U"])
     if x.dtype != V.dtype or (has_dropout and module.training) or not owns_product:
