@@ -178,7 +178,9 @@ class BEMLinear(nn.Module):
         autocast's linear casts it."""
         dtype = torch.get_autocast_dtype(x.device.type)
         weight = self.base_layer.weight
-        plain = self.owns_product and not (self.has_dropout and self.training)
+        spec = self.spec  # read as one tuple, not through the properties (a training step's hot path)
+        _, _, _, owns_product, has_dropout, _ = spec
+        plain = owns_product and not (has_dropout and self.training)
         # a float32 input (GPT-2's LayerNorm returns one under autocast) is what autocast's own linear would
         # multiply in the autocast dtype: the fused call takes it cast, and returns what that returns
         if plain and weight.dtype == dtype and x.dtype in (dtype, torch.float32):
@@ -187,7 +189,7 @@ class BEMLinear(nn.Module):
             V = self.bem_V
             V_cast = V.to(dtype)
             with torch.autocast(x.device.type, enabled=False):
-                return _fused(self, self.spec, x, V_cast, codes, self.bem_U.to(dtype), own_v=V_cast is V)
+                return _fused(self, spec, x, V_cast, codes, self.bem_U.to(dtype), own_v=V_cast is V)
         return self._forward_base_plus_update(x, codes, dtype)
 
     def _forward_base_plus_update(self, x: torch.Tensor, codes: Optional[torch.Tensor],
@@ -196,8 +198,9 @@ class BEMLinear(nn.Module):
         computes LoRA in the adapter's dtype the same way)."""
         x_adapter = self.dropout(x.to(dtype))
         codes = None if codes is None else codes.to(dtype)
-        update = ops.generated_update(x_adapter, self.bem_V.to(dtype), codes, self.bem_U.to(dtype), self.scaling,
-                                      self.use_fused_kernels)
+        _, scaling, _, _, _, use_fused = self.spec
+        update = ops.generated_update(x_adapter, self.bem_V.to(dtype), codes, self.bem_U.to(dtype), scaling,
+                                      use_fused)
         return self.base_layer(x) + update.to(x.dtype)
 
     def _reshape_codes(self, codes: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -222,7 +225,7 @@ def _forward_checked(module: BEMLinear, spec: tuple, x: torch.Tensor, codes: Opt
         codes = module._reshape_codes(codes, x)
     if torch.is_autocast_enabled("cuda") if x.is_cuda else torch.is_autocast_enabled(x.device.type):
         return module._forward_autocast(x, codes)
-    owns_product, has_dropout = spec[3], spec[4]
+    _, _, _, owns_product, has_dropout, _ = spec
     params = module._parameters
     V, U = packed if packed is not None else (params["bem_V"], params["bem_U"])
     if x.dtype != V.dtype or (has_dropout and module.training) or not owns_product:
