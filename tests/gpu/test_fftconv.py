@@ -1,5 +1,5 @@
 """The fftconv kernels against float64 references: the forward and the backward (block kernels up to L = 16384,
-cuFFT with the element-wise kernels above), the decoding step, torch.compile and CUDA graphs, and the
+above it the four-step forward up to 2^20 and cuFFT with the element-wise kernels for the rest), the decoding step, torch.compile and CUDA graphs, and the
 argument checks of the bindings. The kernels' error is bounded by twice that of the PyTorch rfft path in the
 same dtype (kernel_helpers.bound); outputs are poisoned before each run; NaN never passes."""
 
@@ -53,6 +53,8 @@ FORWARD_CASES = [
     (2, 7, 1, 1), (3, 1, 3, 3), (2, 7, 255, 100), (2, 7, 256, 300), (2, 7, 1000, 1000), (1, 768, 1000, 1000),
     (2, 1, 4097, 4097), (1, 7, 8192, 5000), (2, 768, 4096, 4096), (1, 3, 16384, 16384), (1, 2, 100000, 100000),
     (1, 1, 1 << 20, 1 << 20),
+    # the four-step forward's smallest and middle sizes (M1 = 4, 8), many heads, taps shorter and longer than L
+    (3, 5, 16385, 700), (2, 3, 40001, 50000),
 ]
 
 
@@ -71,8 +73,9 @@ def test_forward_within_twice_pytorchs_error(B, H, L, Lk, dtype):
     assert err <= bound(torch_err, dtype), f"error {err:.3g}, PyTorch's {torch_err:.3g}"
 
 
-def test_cached_spectrum_gives_the_same_output_until_k_changes():
-    u, k, D, pre, post = _operands(2, 7, 3000, 3000, torch.bfloat16, seed=1)
+@pytest.mark.parametrize("L", [3000, 40000])
+def test_cached_spectrum_gives_the_same_output_until_k_changes(L):
+    u, k, D, pre, post = _operands(2, 7, L, L, torch.bfloat16, seed=1)
     dispatch.SPECTRA.clear()
     with torch.no_grad():
         first = dispatch.fftconv(u, k, D, pre, post, gelu=True)
@@ -84,6 +87,19 @@ def test_cached_spectrum_gives_the_same_output_until_k_changes():
     ref = _reference64(u, k, D, pre, post, True)
     assert rel_err(flipped, ref) <= bound(rel_err(reference.fftconv_fft(u, k, D, pre, post, True), ref),
                                           torch.bfloat16)
+
+
+@pytest.mark.parametrize("L,Lk", [(16385, 16385), (100000, 3000)])
+def test_long_spectrum_is_rfft_in_the_four_step_order(L, Lk):
+    k = torch.randn(3, Lk, device="cuda")
+    M = custom_ops.spectrum_length(L)
+    S = custom_ops.fftconv_spectrum(k, L)
+    taps = min(L, Lk)
+    natural = torch.fft.rfft(k[:, :taps].double(), n=2 * M)
+    M2 = custom_ops.extension().FFTCONV_TILED_ROW_LENGTH
+    expected = torch.cat([natural[:, :M].reshape(3, M2, M // M2).transpose(1, 2).reshape(3, M), natural[:, M:]], 1)
+    assert S.shape == (3, M + 1)
+    assert rel_err(torch.view_as_real(S), torch.view_as_real(expected)) < 1e-6
 
 
 def test_strided_input_is_made_contiguous():

@@ -4,7 +4,9 @@
 // Spectrum length M = max(1024, next power of two >= L): the convolution runs as real FFTs of size 2M.
 // S, the filter's spectrum, is complex (H, M + 1): S = rfft(k[:, :L], n = 2M). D ⊙ v is added directly.
 // Up to M = 16384 (L <= 16384) one thread block transforms one row in shared memory (fftconv_block.cuh);
-// above, cuFFT does the transforms and the kernels of fftconv_long.cu the element-wise work.
+// above, up to M = 2^20, the forward runs as a four-step FFT of three passes (fftconv_tiled.cu), whose
+// spectrum S is in that order; the backward there, and both directions above 2^20, take cuFFT's transforms
+// with the element-wise kernels of fftconv_long.cu.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -20,6 +22,8 @@ enum class Dtype { kHalf, kBFloat16, kFloat };
 
 constexpr int kMinSpectrum = 1024;
 constexpr int kMaxBlockSpectrum = 16384;
+constexpr int kTiledRowLength = 8192;             // M2 of the four-step form
+constexpr int kMaxTiledSpectrum = 1 << 20;        // M1 = M / M2 <= 128
 
 inline int64_t spectrum_length(int64_t L) {
   int64_t M = kMinSpectrum;
@@ -110,6 +114,22 @@ cudaError_t launch_activation_backward(Dtype dtype, const float* conv, float* g,
 // without one), dpregate = dv ⊙ u; either may be null.
 cudaError_t launch_input_grads(Dtype dtype, const float* corr, const float* g, const RowsArgs& rows,
                                cudaStream_t stream);
+
+// ---- 16384 < M <= 2^20, the forward: a four-step FFT (fftconv_tiled.cu) ----
+//
+// work: float2 (rows, M). S: (H, M + 1) with S[h][k1 M2 + k2] = X[k1 + M1 k2] (k < M), S[h][M] = X[M], where
+// X = rfft(k[h, :taps], n = 2M), M2 = kTiledRowLength, M1 = M / M2: the natural order's (M2, M1) block transposed.
+bool tiled_length(int64_t M);
+int tiled_rows_smem_bytes();
+// work = the twiddled column transforms of the real rows a (⊙ gate), row r at a + r stride, `valid` elements.
+cudaError_t launch_tiled_columns(Dtype dtype, const void* a, const void* gate, int64_t stride, int valid,
+                                 int64_t rows, int M, float2* work, cudaStream_t stream);
+// spectrum: S[h] from the columns of the filter's rows (rows = H); else the convolution's rows, in place.
+cudaError_t launch_tiled_rows(bool spectrum, float2* work, float2* S, int64_t rows, int H, int M, int num_sms,
+                              cudaStream_t stream);
+// The inverse columns and the forward's epilogue into rows.y (the fields forward_epilogue reads).
+cudaError_t launch_tiled_epilogue(Dtype dtype, const float2* work, const RowsArgs& rows, int M,
+                                  cudaStream_t stream);
 
 // ---- the decoding step (fftconv_step.cu) ----
 

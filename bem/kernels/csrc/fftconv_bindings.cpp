@@ -1,6 +1,7 @@
 // Torch bindings of the fftconv op family: every argument checked, naming the operand (ValueError, or
 // TypeError for a dtype), before anything is allocated or launched; the choice between the block kernels
-// (L <= 16384) and cuFFT around the element-wise kernels (longer); allocation; every launch checked.
+// (L <= 16384), the four-step forward (up to 2^20) and cuFFT around the element-wise kernels (the backward
+// above 16384, everything above 2^20); allocation; every launch checked.
 #include <torch/extension.h>
 
 #include <c10/cuda/CUDAException.h>
@@ -64,6 +65,12 @@ bool block_path(int64_t M, int device) {
          fc::block_smem_bytes((int)M) <= device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
 }
 
+// The four-step forward takes 16384 < M <= 2^20 where its rows kernel's shared memory fits the device.
+bool tiled_path(int64_t M, int device) {
+  return fc::tiled_length(M) &&
+         fc::tiled_rows_smem_bytes() <= device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+}
+
 cudaStream_t stream_now() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
 const void* ptr(const OptTensor& t) { return t.has_value() ? t->data_ptr() : nullptr; }
@@ -110,9 +117,25 @@ OptTensor float32(const OptTensor& t) {
   return t->scalar_type() == at::kFloat ? *t : t->to(at::kFloat);
 }
 
-// S = rfft(k[:, :taps], n = 2M): complex64 (H, M + 1)
+// float2 rows of M for the four-step passes
+Tensor tiled_work(int64_t rows, int64_t M, const Tensor& like) {
+  return at::empty({rows, M}, like.options().dtype(at::kComplexFloat));
+}
+float2* f2(const Tensor& t) { return reinterpret_cast<float2*>(t.data_ptr()); }
+
+// S = rfft(k[:, :taps], n = 2M): complex64 (H, M + 1); in the four-step order where that path runs (fftconv.h)
 Tensor compute_spectrum(const Tensor& k, int64_t taps, int64_t M) {
   const int64_t H = k.size(0);
+  const int device = k.get_device();
+  if (tiled_path(M, device)) {
+    Tensor S = at::empty({H, M + 1}, k.options().dtype(at::kComplexFloat));
+    if (H == 0) return S;
+    Tensor work = tiled_work(H, M, k);
+    C10_CUDA_CHECK(fc::launch_tiled_columns(dtype_of(k, "k"), k.data_ptr(), nullptr, k.size(1), (int)taps, H,
+                                            (int)M, f2(work), stream_now()));
+    C10_CUDA_CHECK(fc::launch_tiled_rows(true, f2(work), f2(S), H, (int)H, (int)M, num_sms(device), stream_now()));
+    return S;
+  }
   if (block_path(M, k.get_device())) {
     const Tensor k32 = k.scalar_type() == at::kFloat ? k : k.to(at::kFloat);
     Tensor S = at::empty({H, M + 1}, k.options().dtype(at::kComplexFloat));
@@ -146,6 +169,13 @@ Tensor fftconv_spectrum(const Tensor& k, int64_t L) {
   FFTCONV_CHECK(L >= 1 && L <= (int64_t)1 << 26, "L must be in [1, 2^26], got ", L);
   const c10::cuda::CUDAGuard guard(k.device());
   return compute_spectrum(k, std::min<int64_t>(k.size(1), L), fc::spectrum_length(L));
+}
+
+// S in rfft's order: the four-step order's first M bins are the natural order's (M2, M1) block transposed
+Tensor natural_spectrum(const Tensor& S, int64_t M, int device) {
+  if (!tiled_path(M, device)) return S;
+  const int64_t H = S.size(0), M2 = fc::kTiledRowLength;
+  return at::cat({S.narrow(1, 0, M).view({H, M / M2, M2}).transpose(1, 2).reshape({H, M}), S.narrow(1, M, 1)}, 1);
 }
 
 int log2_of(int64_t power_of_two) {
@@ -192,9 +222,18 @@ Tensor fftconv_forward(const Tensor& u, const Tensor& k, const OptTensor& D, con
     C10_CUDA_CHECK(fc::launch_forward(s.dtype, (int)s.M, args, num_sms(u.get_device()), stream_now()));
     return y;
   }
-  // longer: cuFFT's transforms of the float32 padded rows; one element-wise pass before, one after
   fc::RowsArgs r = rows_args(s, u, pregate, postgate, D32, gelu);
   r.y = y.data_ptr();
+  if (tiled_path(s.M, u.get_device())) {  // columns, rows (with the product), inverse columns and epilogue
+    Tensor work = tiled_work(r.rows, s.M, u);
+    C10_CUDA_CHECK(fc::launch_tiled_columns(s.dtype, u.data_ptr(), ptr(pregate), s.L, (int)s.L, r.rows, (int)s.M,
+                                            f2(work), stream_now()));
+    C10_CUDA_CHECK(fc::launch_tiled_rows(false, f2(work), f2(S), r.rows, (int)s.H, (int)s.M,
+                                         num_sms(u.get_device()), stream_now()));
+    C10_CUDA_CHECK(fc::launch_tiled_epilogue(s.dtype, f2(work), r, (int)s.M, stream_now()));
+    return y;
+  }
+  // longer: cuFFT's transforms of the float32 padded rows; one element-wise pass before, one after
   const int64_t N = 2 * s.M;
   Tensor v = at::empty({r.rows, N}, u.options().dtype(at::kFloat));
   C10_CUDA_CHECK(fc::launch_pad_rows(s.dtype, u.data_ptr(), ptr(pregate), v.data_ptr<float>(), r, stream_now()));
@@ -301,7 +340,9 @@ std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, cons
     }
     return {out(du), out(dk), out(dD), out(dpre), out(dpost)};
   }
-  // longer: cuFFT; V = FFT(v) and G = FFT(g) give dk = IFFT(sum_b G conj V) and dv = IFFT(G conj S)
+  // longer: cuFFT; V = FFT(v) and G = FFT(g) give dk = IFFT(sum_b G conj V) and dv = IFFT(G conj S), with S
+  // in the natural order
+  const Tensor S_natural = natural_spectrum(S, s.M, u.get_device());
   fc::RowsArgs r = rows_args(s, u, pregate, postgate, D32, gelu);
   r.dy = grad_y.data_ptr();
   r.du = need_u ? du.data_ptr() : nullptr;
@@ -314,7 +355,7 @@ std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, cons
   Tensor V = at::fft_rfft(v, N, -1);
   Tensor g = at::empty({r.rows, N}, u.options().dtype(at::kFloat));
   if (need_c) {
-    const Tensor conv = at::fft_irfft(V.view(rows3).mul(S).view({r.rows, s.M + 1}), N, -1);
+    const Tensor conv = at::fft_irfft(V.view(rows3).mul(S_natural).view({r.rows, s.M + 1}), N, -1);
     C10_CUDA_CHECK(fc::launch_activation_backward(s.dtype, conv.data_ptr<float>(), g.data_ptr<float>(), r,
                                                   stream_now()));
   } else {
@@ -332,7 +373,7 @@ std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, cons
   }
   V.reset();
   if (need_u || need_pre) {
-    G.view(rows3).mul_(S.conj());
+    G.view(rows3).mul_(S_natural.conj());
     const Tensor corr = at::fft_irfft(G, N, -1);
     G.reset();
     C10_CUDA_CHECK(fc::launch_input_grads(s.dtype, corr.data_ptr<float>(), g.data_ptr<float>(), r, stream_now()));
@@ -408,7 +449,8 @@ Tensor fftconv_step(const Tensor& history, const Tensor& u_t, const Tensor& k, c
 
 void bind_fftconv(pybind11::module_& m) {
   namespace py = pybind11;
-  m.def("fftconv_spectrum", &fftconv_spectrum, "S = rfft(k[:, :L], n = 2M), complex64 (H, M + 1)", py::arg("k"),
+  m.def("fftconv_spectrum", &fftconv_spectrum,
+        "S = rfft(k[:, :L], n = 2M), complex64 (H, M + 1), in the order the forward reads (fftconv.h)", py::arg("k"),
         py::arg("L"));
   m.def("fftconv_forward", &fftconv_forward,
         "postgate ⊙ act(conv(pregate ⊙ u, k) + D ⊙ pregate ⊙ u), causal; spectrum: S of fftconv_spectrum or None",
@@ -423,6 +465,7 @@ void bind_fftconv(pybind11::module_& m) {
         py::arg("u_t"), py::arg("k"), py::arg("position"), py::arg("position_value"), py::arg("D"),
         py::arg("pregate"), py::arg("postgate"), py::arg("gelu"));
   m.attr("FFTCONV_MAX_BLOCK_LENGTH") = fc::kMaxBlockSpectrum;
+  m.attr("FFTCONV_TILED_ROW_LENGTH") = fc::kTiledRowLength;
 }
 
 }  // namespace bem
