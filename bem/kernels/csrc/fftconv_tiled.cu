@@ -33,56 +33,92 @@ __device__ __forceinline__ float2 unit_root(int a, int M) {
   return make_float2(c, s);
 }
 
-// A tile of the column passes: C = kTile / M1 adjacent columns n2 (c fastest in shared memory, [n1][c]).
-struct ColumnTile {
-  int M1, C, log2C;
-  __host__ __device__ explicit ColumnTile(int M) : M1(M / kRowLength), C(kTile / (M / kRowLength)), log2C(0) {
-    while ((1 << log2C) < C) ++log2C;
-  }
-  __host__ __device__ int tiles_per_row() const { return kRowLength / C; }
+// The column passes' plan for M1 = R1 x R2 (R1, R2 <= 16; R2 = 1 for M1 <= 16): a block transforms C =
+// kTile / M1 adjacent columns n2 of one row. With n1 = R2 na + nb and k1 = ka + R1 kb, pass 1 (an item per
+// (c, nb)) takes the R1 points nb, R2 + nb, .. of its column from global memory into registers, transforms
+// them, multiplies by w_M1^(nb ka) and writes shared memory; pass 2 (an item per (c, ka)) reads the R2 values
+// of ka, transforms them and hands k1 = ka + R1 kb to the consumer. Each point goes through shared memory
+// once (a Stockham pass per factor of two took 7 trips at M1 = 128).
+template <int M1_>
+struct ColumnPlan {
+  static constexpr int M1 = M1_;
+  static constexpr int R1 = M1 <= 16 ? M1 : (M1 == 128 ? 16 : 8);
+  static constexpr int R2 = M1 / R1;
+  static constexpr int C = kTile / M1;
+  static constexpr int kItems1 = C * R2 / kColumnThreads;  // pass-1 items per thread
+  static constexpr int kItems2 = C * R1 / kColumnThreads;  // pass-2 items per thread
+  static_assert(R1 * R2 == M1 && R2 <= 16 && kItems1 >= 1 && kItems2 >= 1 && C >= 32, "a plan for M1 in 4 .. 128");
+  static constexpr int kSmemBytes = (R2 > 1 ? kTile : 0) * 8 + M1 * 8;  // Y, and w_M1^j
 };
 
-// The column FFT of a tile: M1 points down each column, Stockham radix 2 between two buffers; returns the
-// buffer holding the result in natural order. table[q] = exp(-2 pi i q / M1), q < M1 / 2.
-__device__ __forceinline__ float2* column_fft(float2* in, float2* out, const float2* table, const ColumnTile& tile) {
-  const int t = threadIdx.x;
-  const int half = tile.M1 / 2, C = tile.C;
-  for (int Ns = 1; Ns < tile.M1; Ns *= 2) {
-    const int step = tile.M1 / (2 * Ns);
-    for (int b = t; b < half * C; b += kColumnThreads) {
-      const int c = b & (C - 1), j = b >> tile.log2C, k = j & (Ns - 1);
-      const float2 x0 = in[j * C + c];
-      const float2 x1 = cmul(in[(j + half) * C + c], table[k * step]);
-      const int to = ((j - k) * 2 + k) * C + c;
-      out[to] = cadd(x0, x1);
-      out[to + Ns * C] = csub(x0, x1);
-    }
-    __syncthreads();
-    float2* swap = in;
-    in = out;
-    out = swap;
+template <typename F>
+inline cudaError_t with_column_length(int M1, F&& f) {
+  switch (M1) {
+    case 4: return f(ColumnPlan<4>());
+    case 8: return f(ColumnPlan<8>());
+    case 16: return f(ColumnPlan<16>());
+    case 32: return f(ColumnPlan<32>());
+    case 64: return f(ColumnPlan<64>());
+    case 128: return f(ColumnPlan<128>());
+    default: return cudaErrorInvalidValue;
   }
-  return in;
 }
 
-__device__ __forceinline__ void build_column_table(float2* table, int M1) {
-  for (int q = threadIdx.x; q < M1 / 2; q += kColumnThreads) table[q] = unit_root(q, M1);
+// The column transforms of the block's tile of one row. load(n1, c) gives the point; kHalfIn: zero for
+// n1 >= M1/2 (not loaded). consume(k1, c, X) takes each output once. Shared memory: Y then the table.
+template <class Plan, bool kHalfIn, class Load, class Consume>
+__device__ __forceinline__ void column_transforms(float2* Y, const float2* table, const Load& load,
+                                                  const Consume& consume) {
+  constexpr int M1 = Plan::M1, R1 = Plan::R1, R2 = Plan::R2, C = Plan::C;
+  const int t = threadIdx.x;
+#pragma unroll
+  for (int q = 0; q < Plan::kItems1; ++q) {
+    const int i = t + q * kColumnThreads, c = i % C, nb = i / C;
+    float2 v[R1];
+#pragma unroll
+    for (int na = 0; na < R1; ++na)
+      v[na] = (kHalfIn && na >= R1 / 2) ? make_float2(0.0f, 0.0f) : load(R2 * na + nb, c);
+    dft<R1, kHalfIn>(v);
+    if constexpr (R2 == 1) {
+#pragma unroll
+      for (int ka = 0; ka < R1; ++ka) consume(ka, c, v[ka]);
+    } else {
+#pragma unroll
+      for (int ka = 0; ka < R1; ++ka) Y[(ka * R2 + nb) * C + c] = ka == 0 ? v[0] : cmul(v[ka], table[(nb * ka) % M1]);
+    }
+  }
+  if constexpr (R2 > 1) {
+    __syncthreads();
+#pragma unroll
+    for (int q = 0; q < Plan::kItems2; ++q) {
+      const int i = t + q * kColumnThreads, c = i % C, ka = i / C;
+      float2 v[R2];
+#pragma unroll
+      for (int nb = 0; nb < R2; ++nb) v[nb] = Y[(ka * R2 + nb) * C + c];
+      dft<R2, false>(v);
+#pragma unroll
+      for (int kb = 0; kb < R2; ++kb) consume(ka + R1 * kb, c, v[kb]);
+    }
+  }
+}
+
+template <int M1>
+__device__ __forceinline__ void build_column_table(float2* table) {
+  for (int q = threadIdx.x; q < M1; q += kColumnThreads) table[q] = unit_root(q, M1);
 }
 
 // Forward columns of real rows: z[n] = (x[2n], x[2n+1]), x = a ⊙ gate (gate may be null) over a row's first
 // `valid` elements, zero after; A = the twiddled column transforms, rows of M float2.
-template <typename T>
+template <class Plan, typename T>
 __global__ void __launch_bounds__(kColumnThreads) tiled_columns_kernel(const T* a, const T* gate, int64_t stride,
-                                                                       int valid, int64_t rows, int M,
-                                                                       float2* work) {
+                                                                       int valid, int64_t rows, float2* work) {
   extern __shared__ float4 smem_f4[];
-  const ColumnTile tile(M);
-  float2* buf0 = reinterpret_cast<float2*>(smem_f4);
-  float2* buf1 = buf0 + kTile;
-  float2* table = buf1 + kTile;
-  build_column_table(table, tile.M1);
-  const int t = threadIdx.x;
-  const int first = blockIdx.x * tile.C;  // the tile's first column
+  constexpr int M = Plan::M1 * kRowLength;
+  float2* Y = reinterpret_cast<float2*>(smem_f4);
+  float2* table = Y + (Plan::R2 > 1 ? kTile : 0);
+  build_column_table<Plan::M1>(table);
+  __syncthreads();
+  const int first = blockIdx.x * Plan::C;  // the tile's first column
   for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
     const T* x = a + row * stride;
     const T* g = gate ? gate + row * stride : nullptr;
@@ -91,45 +127,39 @@ __global__ void __launch_bounds__(kColumnThreads) tiled_columns_kernel(const T* 
       const float v = to_f(x[m]);
       return g ? v * to_f(g[m]) : v;
     };
-    for (int i = t; i < kTile; i += kColumnThreads) {
-      const int n1 = i >> tile.log2C, c = i & (tile.C - 1);
-      const int m = 2 * (kRowLength * n1 + first + c);
-      buf0[i] = n1 < tile.M1 / 2 ? make_float2(value(m), value(m + 1)) : make_float2(0.0f, 0.0f);
-    }
-    __syncthreads();
-    const float2* A = column_fft(buf0, buf1, table, tile);
     float2* out = work + row * M;
-    for (int i = t; i < kTile; i += kColumnThreads) {
-      const int k1 = i >> tile.log2C, n2 = first + (i & (tile.C - 1));
-      out[(int64_t)k1 * kRowLength + n2] = cmul(A[i], unit_root(n2 * k1, M));
-    }
-    __syncthreads();  // the tile's buffers are read before the next row writes them
+    column_transforms<Plan, true>(
+        Y, table,
+        [&](int n1, int c) {
+          const int m = 2 * (kRowLength * n1 + first + c);
+          return make_float2(value(m), value(m + 1));
+        },
+        [&](int k1, int c, float2 X) {
+          const int n2 = first + c;
+          out[(int64_t)k1 * kRowLength + n2] = k1 == 0 ? X : cmul(X, unit_root(n2 * k1, M));
+        });
+    if (Plan::R2 > 1) __syncthreads();  // Y is read before the next row writes it
   }
 }
 
 // Inverse columns and the epilogue: z' = conj(column transforms of what the rows kernel left), the
 // convolution's outputs c = z' / 4M at (2n, 2n + 1), then y = postgate ⊙ act(c + D v) (as forward_epilogue).
-template <typename T>
-__global__ void __launch_bounds__(kColumnThreads) tiled_epilogue_kernel(const float2* work, RowsArgs r, int M) {
+template <class Plan, typename T>
+__global__ void __launch_bounds__(kColumnThreads) tiled_epilogue_kernel(const float2* work, RowsArgs r) {
   extern __shared__ float4 smem_f4[];
-  const ColumnTile tile(M);
-  float2* buf0 = reinterpret_cast<float2*>(smem_f4);
-  float2* buf1 = buf0 + kTile;
-  float2* table = buf1 + kTile;
-  build_column_table(table, tile.M1);
+  constexpr int M = Plan::M1 * kRowLength;
+  float2* Y = reinterpret_cast<float2*>(smem_f4);
+  float2* table = Y + (Plan::R2 > 1 ? kTile : 0);
+  build_column_table<Plan::M1>(table);
+  __syncthreads();
   const T* u = static_cast<const T*>(r.u);
   const T* pre = static_cast<const T*>(r.pregate);
   const T* post = static_cast<const T*>(r.postgate);
   T* y = static_cast<T*>(r.y);
   const float scale = 1.0f / (4.0f * (float)M);
-  const int t = threadIdx.x;
-  const int first = blockIdx.x * tile.C;
+  const int first = blockIdx.x * Plan::C;
   for (int64_t row = blockIdx.y; row < r.rows; row += gridDim.y) {
     const float2* in = work + row * M;
-    for (int i = t; i < kTile; i += kColumnThreads)
-      buf0[i] = in[(int64_t)(i >> tile.log2C) * kRowLength + first + (i & (tile.C - 1))];
-    __syncthreads();
-    const float2* Z = column_fft(buf0, buf1, table, tile);
     const float D = r.D ? r.D[row % r.H] : 0.0f;
     const int64_t at = row * r.L;
     auto output = [&](int m, float conv) {
@@ -143,14 +173,15 @@ __global__ void __launch_bounds__(kColumnThreads) tiled_epilogue_kernel(const fl
       if (post) o *= to_f(post[at + m]);
       y[at + m] = from_f<T>(o);
     };
-    for (int i = t; i < kTile / 2; i += kColumnThreads) {  // n1 < M1 / 2: the first half of the rows of the tile
-      const float2 z = Z[i];  // z' = conj(z)
-      const int n1 = i >> tile.log2C, n2 = first + (i & (tile.C - 1));
-      const int m = 2 * (kRowLength * n1 + n2);
-      output(m, z.x);
-      output(m + 1, -z.y);
-    }
-    __syncthreads();
+    column_transforms<Plan, false>(
+        Y, table, [&](int n1, int c) { return in[(int64_t)n1 * kRowLength + first + c]; },
+        [&](int n1, int c, float2 z) {  // z' = conj(z); only n1 < M1/2 holds outputs
+          if (n1 >= Plan::M1 / 2) return;
+          const int m = 2 * (kRowLength * n1 + first + c);
+          output(m, z.x);
+          output(m + 1, -z.y);
+        });
+    if (Plan::R2 > 1) __syncthreads();
   }
 }
 
@@ -250,11 +281,9 @@ __global__ void __launch_bounds__(2 * kRowThreads, 1) tiled_rows_kernel(float2* 
   }
 }
 
-dim3 column_grid(int64_t rows, int M) {
-  return dim3(ColumnTile(M).tiles_per_row(), (unsigned)(rows < 65535 ? rows : 65535));
+dim3 column_grid(int64_t rows, int C) {
+  return dim3(kRowLength / C, (unsigned)(rows < 65535 ? rows : 65535));
 }
-
-int column_smem_bytes(int M) { return (2 * kTile + M / kRowLength / 2) * 8; }
 
 template <typename Kernel>
 cudaError_t allow_smem(Kernel kernel, int bytes) {
@@ -272,12 +301,14 @@ cudaError_t launch_tiled_columns(Dtype dtype, const void* a, const void* gate, i
   if (!tiled_length(M)) return cudaErrorInvalidValue;
   return with_dtype(dtype, [&](auto zero) {
     using T = decltype(zero);
-    const int smem = column_smem_bytes(M);
-    cudaError_t e = allow_smem(tiled_columns_kernel<T>, smem);
-    if (e != cudaSuccess) return e;
-    tiled_columns_kernel<T><<<column_grid(rows, M), kColumnThreads, smem, stream>>>(
-        static_cast<const T*>(a), static_cast<const T*>(gate), stride, valid, rows, M, work);
-    return cudaGetLastError();
+    return with_column_length(M / kRowLength, [&](auto plan) {
+      using Plan = decltype(plan);
+      cudaError_t e = allow_smem(tiled_columns_kernel<Plan, T>, Plan::kSmemBytes);
+      if (e != cudaSuccess) return e;
+      tiled_columns_kernel<Plan, T><<<column_grid(rows, Plan::C), kColumnThreads, Plan::kSmemBytes, stream>>>(
+          static_cast<const T*>(a), static_cast<const T*>(gate), stride, valid, rows, work);
+      return cudaGetLastError();
+    });
   });
 }
 
@@ -300,11 +331,14 @@ cudaError_t launch_tiled_epilogue(Dtype dtype, const float2* work, const RowsArg
   if (!tiled_length(M)) return cudaErrorInvalidValue;
   return with_dtype(dtype, [&](auto zero) {
     using T = decltype(zero);
-    const int smem = column_smem_bytes(M);
-    cudaError_t e = allow_smem(tiled_epilogue_kernel<T>, smem);
-    if (e != cudaSuccess) return e;
-    tiled_epilogue_kernel<T><<<column_grid(rows.rows, M), kColumnThreads, smem, stream>>>(work, rows, M);
-    return cudaGetLastError();
+    return with_column_length(M / kRowLength, [&](auto plan) {
+      using Plan = decltype(plan);
+      cudaError_t e = allow_smem(tiled_epilogue_kernel<Plan, T>, Plan::kSmemBytes);
+      if (e != cudaSuccess) return e;
+      tiled_epilogue_kernel<Plan, T><<<column_grid(rows.rows, Plan::C), kColumnThreads, Plan::kSmemBytes, stream>>>(
+          work, rows);
+      return cudaGetLastError();
+    });
   });
 }
 
