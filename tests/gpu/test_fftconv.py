@@ -165,6 +165,18 @@ def _dD_floor(operands, grad_y, gelu, dD64):
     return 4 * torch.finfo(torch.float32).eps * sensitivity.item()
 
 
+@pytest.mark.parametrize("L", [3000, 16384])
+def test_training_step_transforms_the_filter_once(L):
+    # the backward reuses the spectrum its forward computed (the issue: once per step, shared by the batch)
+    u, k, D, pre, post = _operands(2, 3, L, L, torch.bfloat16, seed=11, requires_grad=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        dispatch.fftconv(u, k, D, pre, post, gelu=True).float().square().sum().backward()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert sum("spectrum_kernel" in n for n in names) == 1, sorted(set(names))
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (u, k, D, pre, post))
+
+
 def test_backward_of_some_operands_only():
     u, k, D, pre, post = _operands(2, 3, 700, 700, torch.bfloat16, seed=3)
     k.requires_grad_()

@@ -206,13 +206,18 @@ Tensor dk_of(const Tensor& correlation, const Tensor& k) {  // (H, taps) float32
   return dk;
 }
 
-Tensor fftconv_forward(const Tensor& u, const Tensor& k, const OptTensor& D, const OptTensor& pregate,
-                       const OptTensor& postgate, bool gelu, const OptTensor& spectrum) {
+// (y, S'): S' the spectrum this call computed where M <= kMaxBlockSpectrum (the backward reuses it), else
+// empty (a spectrum was given, or it is too large to hold until the backward).
+std::vector<Tensor> fftconv_forward(const Tensor& u, const Tensor& k, const OptTensor& D, const OptTensor& pregate,
+                                    const OptTensor& postgate, bool gelu, const OptTensor& spectrum) {
   const Shape s = check_operands(u, k, D, pregate, postgate);
   const c10::cuda::CUDAGuard guard(u.device());
   Tensor y = at::empty_like(u);
-  if (u.numel() == 0) return y;
+  const bool keep = !spectrum.has_value() && s.M <= fc::kMaxBlockSpectrum;
+  Tensor none = at::empty({0}, u.options().dtype(at::kComplexFloat));
+  if (u.numel() == 0) return {y, keep ? at::zeros({s.H, s.M + 1}, none.options()) : none};
   const Tensor S = spectrum_for(k, s, spectrum);
+  const Tensor kept = keep ? S : none;
   const OptTensor D32 = float32(D);
   if (block_path(s.M, u.get_device())) {
     const fc::ForwardArgs args{u.data_ptr(), ptr(pregate), ptr(postgate),
@@ -220,7 +225,7 @@ Tensor fftconv_forward(const Tensor& u, const Tensor& k, const OptTensor& D, con
                                D32.has_value() ? D32->data_ptr<float>() : nullptr,
                                y.data_ptr(), s.B * s.H, (int)s.H, (int)s.L, gelu};
     C10_CUDA_CHECK(fc::launch_forward(s.dtype, (int)s.M, args, num_sms(u.get_device()), stream_now()));
-    return y;
+    return {y, kept};
   }
   fc::RowsArgs r = rows_args(s, u, pregate, postgate, D32, gelu);
   r.y = y.data_ptr();
@@ -231,7 +236,7 @@ Tensor fftconv_forward(const Tensor& u, const Tensor& k, const OptTensor& D, con
     C10_CUDA_CHECK(fc::launch_tiled_rows(false, f2(work), f2(S), r.rows, (int)s.H, (int)s.M,
                                          num_sms(u.get_device()), stream_now()));
     C10_CUDA_CHECK(fc::launch_tiled_epilogue(s.dtype, f2(work), r, (int)s.M, stream_now()));
-    return y;
+    return {y, kept};
   }
   // longer: cuFFT's transforms of the float32 padded rows; one element-wise pass before, one after
   const int64_t N = 2 * s.M;
@@ -243,7 +248,7 @@ Tensor fftconv_forward(const Tensor& u, const Tensor& k, const OptTensor& D, con
   const Tensor conv = at::fft_irfft(V, N, -1);
   V.reset();
   C10_CUDA_CHECK(fc::launch_forward_epilogue(s.dtype, conv.data_ptr<float>(), r, stream_now()));
-  return y;
+  return {y, kept};
 }
 
 std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, const Tensor& k, const OptTensor& D,
@@ -453,7 +458,8 @@ void bind_fftconv(pybind11::module_& m) {
         "S = rfft(k[:, :L], n = 2M), complex64 (H, M + 1), in the order the forward reads (fftconv.h)", py::arg("k"),
         py::arg("L"));
   m.def("fftconv_forward", &fftconv_forward,
-        "postgate ⊙ act(conv(pregate ⊙ u, k) + D ⊙ pregate ⊙ u), causal; spectrum: S of fftconv_spectrum or None",
+        "(y, S'): y = postgate ⊙ act(conv(pregate ⊙ u, k) + D ⊙ pregate ⊙ u), causal; spectrum: S of "
+        "fftconv_spectrum or None; S' the spectrum computed here (M <= 16384) or empty",
         py::arg("u"), py::arg("k"), py::arg("D"), py::arg("pregate"), py::arg("postgate"), py::arg("gelu"),
         py::arg("spectrum"));
   m.def("fftconv_backward", &fftconv_backward,

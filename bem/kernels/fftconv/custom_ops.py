@@ -2,7 +2,8 @@
 the autograd formula. Registered whether or not the extension loaded; only running them needs it.
 
     bem::fftconv_spectrum(k, L)                           -> S, complex64 (H, M + 1)
-    bem::fftconv(u, k, D, pregate, postgate, gelu, S)     -> y, u's shape and dtype
+    bem::fftconv(u, k, D, pregate, postgate, gelu, S)     -> (y, S'): y of u's shape and dtype, S' the spectrum
+                                                             it computed (S None, M <= 16384) or empty
     bem::fftconv_bwd(dy, u, k, D, pregate, postgate, gelu, S, needs) -> (du, dk, dD, dpregate, dpostgate)
     bem::fftconv_step(history!, u_t, k, position, position_value, D, pregate, postgate, gelu) -> y_t
 
@@ -78,6 +79,9 @@ def _ext() -> ModuleType:
     return found
 
 
+MAX_KEPT_SPECTRUM = 16384  # the largest M whose computed spectrum the forward returns for the backward
+
+
 def spectrum_length(L: int) -> int:
     """M: the spectrum has M + 1 bins (a real FFT of size 2M); the kernels pad short sequences to 1024."""
     return max(1024, 1 << max(0, (L - 1).bit_length()))
@@ -94,14 +98,22 @@ def _(k, L):
 
 
 @torch.library.custom_op("bem::fftconv", mutates_args=())
+def fftconv_op(u: Tensor, k: Tensor, D: Optional[Tensor], pregate: Optional[Tensor], postgate: Optional[Tensor],
+               gelu: bool, spectrum: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    return tuple(_ext().fftconv_forward(u, k, D, pregate, postgate, gelu, spectrum))
+
+
+@fftconv_op.register_fake
+def _(u, k, D, pregate, postgate, gelu, spectrum):
+    kept = spectrum is None and spectrum_length(u.shape[-1]) <= MAX_KEPT_SPECTRUM
+    return torch.empty_like(u), k.new_empty((k.shape[0], spectrum_length(u.shape[-1]) + 1) if kept else (0,),
+                                            dtype=torch.complex64)
+
+
 def fftconv(u: Tensor, k: Tensor, D: Optional[Tensor], pregate: Optional[Tensor], postgate: Optional[Tensor],
             gelu: bool, spectrum: Optional[Tensor]) -> Tensor:
-    return _ext().fftconv_forward(u, k, D, pregate, postgate, gelu, spectrum)
-
-
-@fftconv.register_fake
-def _(u, k, D, pregate, postgate, gelu, spectrum):
-    return torch.empty_like(u)
+    """y of `bem::fftconv` (whose second output is the spectrum it computed, kept for the backward)."""
+    return fftconv_op(u, k, D, pregate, postgate, gelu, spectrum)[0]
 
 
 @torch.library.custom_op("bem::fftconv_bwd", mutates_args=())
@@ -130,11 +142,16 @@ def _(history, u_t, k, position, position_value, D, pregate, postgate, gelu):
 
 def _setup(ctx, inputs, output) -> None:
     u, k, D, pregate, postgate, gelu, spectrum = inputs
-    ctx.save_for_backward(u, k, D, pregate, postgate, spectrum)
+    computed = output[1]
+    ctx.mark_non_differentiable(computed)
+    # the backward reuses the filter's spectrum: the one given, or the one this forward computed (kept up to
+    # MAX_KEPT_SPECTRUM; above, the backward computes it again rather than hold it between the passes)
+    ctx.save_for_backward(u, k, D, pregate, postgate, spectrum if spectrum is not None or computed.numel() == 0
+                          else computed)
     ctx.gelu = gelu
 
 
-def _backward(ctx, grad_y):
+def _backward(ctx, grad_y, _grad_spectrum):
     u, k, D, pregate, postgate, spectrum = ctx.saved_tensors
     n = ctx.needs_input_grad
     needs = [n[0], n[1], D is not None and n[2], pregate is not None and n[3], postgate is not None and n[4]]
@@ -145,4 +162,4 @@ def _backward(ctx, grad_y):
     return du, dk, dD, dpre, dpost, None, None
 
 
-fftconv.register_autograd(_backward, setup_context=_setup)
+fftconv_op.register_autograd(_backward, setup_context=_setup)
