@@ -116,6 +116,9 @@ BACKWARD_CASES = [
     (2, 7, 1, 1, True, True, True), (3, 1, 255, 100, True, True, False), (2, 7, 1000, 1000, False, True, True),
     (3, 2, 4097, 6000, True, False, True), (5, 1, 2048, 2048, False, False, False),
     (1, 3, 16384, 16384, True, True, True), (2, 1, 100000, 100000, True, True, True),
+    # the four-step backward: g = dy (no activation pass), dk summed over 3 batch rows, taps short of L; and
+    # gates without GELU (dpostgate: the activation pass), taps past L
+    (3, 2, 20000, 5000, False, True, False), (2, 3, 40001, 50000, True, False, False),
 ]
 
 
@@ -177,8 +180,9 @@ def test_training_step_transforms_the_filter_once(L):
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (u, k, D, pre, post))
 
 
-def test_backward_of_some_operands_only():
-    u, k, D, pre, post = _operands(2, 3, 700, 700, torch.bfloat16, seed=3)
+@pytest.mark.parametrize("L", [700, 40000])
+def test_backward_of_some_operands_only(L):
+    u, k, D, pre, post = _operands(2, 3, L, L, torch.bfloat16, seed=3)
     k.requires_grad_()
     grad_y = torch.randn_like(u)
     (dk,) = torch.autograd.grad(dispatch.fftconv(u, k, D, pre, post, gelu=True), [k], grad_y)

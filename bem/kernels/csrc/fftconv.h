@@ -115,7 +115,7 @@ cudaError_t launch_activation_backward(Dtype dtype, const float* conv, float* g,
 cudaError_t launch_input_grads(Dtype dtype, const float* corr, const float* g, const RowsArgs& rows,
                                cudaStream_t stream);
 
-// ---- 16384 < M <= 2^20, the forward: a four-step FFT (fftconv_tiled.cu) ----
+// ---- 16384 < M <= 2^20: a four-step FFT (fftconv_tiled.cu) ----
 //
 // work: float2 (rows, M). S: (H, M + 1) with S[h][k1 M2 + k2] = X[k1 + M1 k2] (k < M), S[h][M] = X[M], where
 // X = rfft(k[h, :taps], n = 2M), M2 = kTiledRowLength, M1 = M / M2: the natural order's (M2, M1) block transposed.
@@ -124,12 +124,34 @@ int tiled_rows_smem_bytes();
 // work = the twiddled column transforms of the real rows a (⊙ gate), row r at a + r stride, `valid` elements.
 cudaError_t launch_tiled_columns(Dtype dtype, const void* a, const void* gate, int64_t stride, int valid,
                                  int64_t rows, int M, float2* work, cudaStream_t stream);
-// spectrum: S[h] from the columns of the filter's rows (rows = H); else the convolution's rows, in place.
-cudaError_t launch_tiled_rows(bool spectrum, float2* work, float2* S, int64_t rows, int H, int M, int num_sms,
-                              cudaStream_t stream);
-// The inverse columns and the forward's epilogue into rows.y (the fields forward_epilogue reads).
+// What one rows launch does with each pair of rows (fftconv_tiled.cu):
+enum class TiledRows : int {
+  kSpectrum,    // S[h] from the columns of the filter's rows (rows = H)
+  kConv,        // the convolution's rows, in place (the forward)
+  kGrad,        // per h, over its B batch rows: V's bins in place, acc (+)= G conj V, and with `grads` the
+                // correlation of g with k into the g rows, in place
+  kCorrInverse  // acc's rows (the correlation's bins) through the inverse, in place (rows = H)
+};
+struct TiledRowsArgs {
+  float2* work;  // kSpectrum, kConv: the rows; kGrad: the g rows; kCorrInverse: acc
+  float2* S;     // (H, M + 1)
+  float2* V;     // kGrad: the v rows
+  float2* acc;   // kGrad: (H, M); bins 0 and M of a row in its slot 0
+  int64_t rows;
+  int B, H, M;
+  bool grads;
+};
+cudaError_t launch_tiled_rows(TiledRows mode, const TiledRowsArgs& args, int num_sms, cudaStream_t stream);
+// The inverse columns, into: the forward's outputs (rows.y, the fields forward_epilogue reads); the convolution
+// alone as float32 rows of `stride` (the backward's activation pass); the input gradients (the fields
+// input_grads reads; g from g_rows, float32 rows of g_stride, or dy ⊙ postgate); dk's float32 (H, taps).
 cudaError_t launch_tiled_epilogue(Dtype dtype, const float2* work, const RowsArgs& rows, int M,
                                   cudaStream_t stream);
+cudaError_t launch_tiled_conv(const float2* work, float* out, int64_t stride, int64_t rows, int L, int M,
+                              cudaStream_t stream);
+cudaError_t launch_tiled_input_grads(Dtype dtype, const float2* work, const RowsArgs& rows, const float* g_rows,
+                                     int64_t g_stride, int M, cudaStream_t stream);
+cudaError_t launch_tiled_correlation(const float2* acc, float* dk, int H, int taps, int M, cudaStream_t stream);
 
 // ---- the decoding step (fftconv_step.cu) ----
 

@@ -133,7 +133,8 @@ Tensor compute_spectrum(const Tensor& k, int64_t taps, int64_t M) {
     Tensor work = tiled_work(H, M, k);
     C10_CUDA_CHECK(fc::launch_tiled_columns(dtype_of(k, "k"), k.data_ptr(), nullptr, k.size(1), (int)taps, H,
                                             (int)M, f2(work), stream_now()));
-    C10_CUDA_CHECK(fc::launch_tiled_rows(true, f2(work), f2(S), H, (int)H, (int)M, num_sms(device), stream_now()));
+    const fc::TiledRowsArgs rows{f2(work), f2(S), nullptr, nullptr, H, 1, (int)H, (int)M, false};
+    C10_CUDA_CHECK(fc::launch_tiled_rows(fc::TiledRows::kSpectrum, rows, num_sms(device), stream_now()));
     return S;
   }
   if (block_path(M, k.get_device())) {
@@ -233,8 +234,8 @@ std::vector<Tensor> fftconv_forward(const Tensor& u, const Tensor& k, const OptT
     Tensor work = tiled_work(r.rows, s.M, u);
     C10_CUDA_CHECK(fc::launch_tiled_columns(s.dtype, u.data_ptr(), ptr(pregate), s.L, (int)s.L, r.rows, (int)s.M,
                                             f2(work), stream_now()));
-    C10_CUDA_CHECK(fc::launch_tiled_rows(false, f2(work), f2(S), r.rows, (int)s.H, (int)s.M,
-                                         num_sms(u.get_device()), stream_now()));
+    const fc::TiledRowsArgs rows{f2(work), f2(S), nullptr, nullptr, r.rows, (int)s.B, (int)s.H, (int)s.M, false};
+    C10_CUDA_CHECK(fc::launch_tiled_rows(fc::TiledRows::kConv, rows, num_sms(u.get_device()), stream_now()));
     C10_CUDA_CHECK(fc::launch_tiled_epilogue(s.dtype, f2(work), r, (int)s.M, stream_now()));
     return {y, kept};
   }
@@ -249,6 +250,74 @@ std::vector<Tensor> fftconv_forward(const Tensor& u, const Tensor& k, const OptT
   V.reset();
   C10_CUDA_CHECK(fc::launch_forward_epilogue(s.dtype, conv.data_ptr<float>(), r, stream_now()));
   return {y, kept};
+}
+
+// The backward for 16384 < M <= 2^20 in the four-step form: g's rows (from the activation pass, or dy ⊙ postgate)
+// and v's rows through the columns; one rows launch per h over its batch rows (V's bins, the sum of G conj V,
+// G conj S through the inverse); the inverse columns into du and dpregate; dk from the sum's inverse. dD is a
+// float32 sum of g v, as the cuFFT path's.
+void tiled_backward(const Shape& s, const Tensor& u, const Tensor& grad_y, const OptTensor& pregate,
+                    const OptTensor& postgate, const OptTensor& D, const Tensor& S, const fc::RowsArgs& r,
+                    bool need_c, bool need_inputs, bool need_k, bool need_D, const Tensor& k, Tensor& dk,
+                    Tensor& dD) {
+  const int M = (int)s.M, sms = num_sms(u.get_device());
+  const int64_t rows = r.rows, padded = 2 * s.M;
+  const auto f32 = u.options().dtype(at::kFloat);
+  Tensor work_g = tiled_work(rows, s.M, u);
+  Tensor g;  // float32 rows of 2M, from the activation pass
+  if (need_c) {  // c again through the forward's passes, then g (and dpostgate) from it
+    C10_CUDA_CHECK(fc::launch_tiled_columns(s.dtype, u.data_ptr(), ptr(pregate), s.L, (int)s.L, rows, M,
+                                            f2(work_g), stream_now()));
+    const fc::TiledRowsArgs conv{f2(work_g), f2(S), nullptr, nullptr, rows, (int)s.B, (int)s.H, M, false};
+    C10_CUDA_CHECK(fc::launch_tiled_rows(fc::TiledRows::kConv, conv, sms, stream_now()));
+    Tensor c = at::empty({rows, padded}, f32);
+    C10_CUDA_CHECK(fc::launch_tiled_conv(f2(work_g), c.data_ptr<float>(), padded, rows, (int)s.L, M, stream_now()));
+    g = at::empty({rows, padded}, f32);
+    C10_CUDA_CHECK(fc::launch_activation_backward(s.dtype, c.data_ptr<float>(), g.data_ptr<float>(), r,
+                                                  stream_now()));
+    c.reset();
+    C10_CUDA_CHECK(fc::launch_tiled_columns(fc::Dtype::kFloat, g.data_ptr(), nullptr, padded, (int)s.L, rows, M,
+                                            f2(work_g), stream_now()));
+  } else {
+    C10_CUDA_CHECK(fc::launch_tiled_columns(s.dtype, grad_y.data_ptr(), ptr(postgate), s.L, (int)s.L, rows, M,
+                                            f2(work_g), stream_now()));
+  }
+  if (need_D) {
+    // fresh float32 tensors (u.to(kFloat) is u itself when u is float32: nothing here writes in place into it)
+    const Tensor v = pregate.has_value() ? u.to(at::kFloat) * pregate->to(at::kFloat) : u.to(at::kFloat);
+    Tensor gv;
+    if (need_c) {
+      gv = g.narrow(1, 0, s.L).view({s.B, s.H, s.L}) * v;
+    } else {
+      gv = grad_y.to(at::kFloat) * v;
+      if (postgate.has_value()) gv.mul_(postgate->to(at::kFloat));
+    }
+    dD = gv.sum(at::IntArrayRef{0, 2}).to(D->scalar_type());
+  }
+  if (!need_inputs && !need_k) return;
+  Tensor work_v, acc;
+  if (need_k) {
+    work_v = tiled_work(rows, s.M, u);
+    C10_CUDA_CHECK(fc::launch_tiled_columns(s.dtype, u.data_ptr(), ptr(pregate), s.L, (int)s.L, rows, M,
+                                            f2(work_v), stream_now()));
+    acc = tiled_work(s.H, s.M, u);
+  }
+  const fc::TiledRowsArgs grad{f2(work_g), f2(S), need_k ? f2(work_v) : nullptr, need_k ? f2(acc) : nullptr,
+                               rows, (int)s.B, (int)s.H, M, need_inputs};
+  C10_CUDA_CHECK(fc::launch_tiled_rows(fc::TiledRows::kGrad, grad, sms, stream_now()));
+  work_v.reset();
+  if (need_inputs) {
+    C10_CUDA_CHECK(fc::launch_tiled_input_grads(s.dtype, f2(work_g), r, need_c ? g.data_ptr<float>() : nullptr,
+                                                padded, M, stream_now()));
+  }
+  if (need_k) {
+    const fc::TiledRowsArgs inverse{f2(acc), nullptr, nullptr, nullptr, s.H, (int)s.B, (int)s.H, M, false};
+    C10_CUDA_CHECK(fc::launch_tiled_rows(fc::TiledRows::kCorrInverse, inverse, sms, stream_now()));
+    Tensor dk_part = at::empty({s.H, s.taps}, f32);
+    C10_CUDA_CHECK(fc::launch_tiled_correlation(f2(acc), dk_part.data_ptr<float>(), (int)s.H, (int)s.taps, M,
+                                                stream_now()));
+    dk = dk_of(dk_part, k);
+  }
 }
 
 std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, const Tensor& k, const OptTensor& D,
@@ -345,14 +414,18 @@ std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, cons
     }
     return {out(du), out(dk), out(dD), out(dpre), out(dpost)};
   }
-  // longer: cuFFT; V = FFT(v) and G = FFT(g) give dk = IFFT(sum_b G conj V) and dv = IFFT(G conj S), with S
-  // in the natural order
-  const Tensor S_natural = natural_spectrum(S, s.M, u.get_device());
   fc::RowsArgs r = rows_args(s, u, pregate, postgate, D32, gelu);
   r.dy = grad_y.data_ptr();
   r.du = need_u ? du.data_ptr() : nullptr;
   r.dpregate = need_pre ? dpre.data_ptr() : nullptr;
   r.dpostgate = need_post ? dpost.data_ptr() : nullptr;
+  if (tiled_path(s.M, u.get_device())) {
+    tiled_backward(s, u, grad_y, pregate, postgate, D, S, r, need_c, need_u || need_pre, need_k, need_D, k, dk, dD);
+    return {out(du), out(dk), out(dD), out(dpre), out(dpost)};
+  }
+  // longer: cuFFT; V = FFT(v) and G = FFT(g) give dk = IFFT(sum_b G conj V) and dv = IFFT(G conj S), with S
+  // in the natural order
+  const Tensor S_natural = natural_spectrum(S, s.M, u.get_device());
   const int64_t N = 2 * s.M;
   const auto rows3 = std::vector<int64_t>{s.B, s.H, s.M + 1};
   Tensor v = at::empty({r.rows, N}, u.options().dtype(at::kFloat));

@@ -142,48 +142,114 @@ __global__ void __launch_bounds__(kColumnThreads) tiled_columns_kernel(const T* 
   }
 }
 
-// Inverse columns and the epilogue: z' = conj(column transforms of what the rows kernel left), the
-// convolution's outputs c = z' / 4M at (2n, 2n + 1), then y = postgate ⊙ act(c + D v) (as forward_epilogue).
-template <class Plan, typename T>
-__global__ void __launch_bounds__(kColumnThreads) tiled_epilogue_kernel(const float2* work, RowsArgs r) {
+// The inverse columns: z' = conj(column transforms of what the rows kernel left); out(row state, m, value)
+// takes the real row's element m (z' at n holds elements 2n and 2n + 1), unscaled, for m < M.
+template <class Plan, class Out>
+__global__ void __launch_bounds__(kColumnThreads) tiled_inverse_kernel(const float2* work, int64_t rows,
+                                                                       const Out out) {
   extern __shared__ float4 smem_f4[];
   constexpr int M = Plan::M1 * kRowLength;
   float2* Y = reinterpret_cast<float2*>(smem_f4);
   float2* table = Y + (Plan::R2 > 1 ? kTile : 0);
   build_column_table<Plan::M1>(table);
   __syncthreads();
-  const T* u = static_cast<const T*>(r.u);
-  const T* pre = static_cast<const T*>(r.pregate);
-  const T* post = static_cast<const T*>(r.postgate);
-  T* y = static_cast<T*>(r.y);
-  const float scale = 1.0f / (4.0f * (float)M);
   const int first = blockIdx.x * Plan::C;
-  for (int64_t row = blockIdx.y; row < r.rows; row += gridDim.y) {
+  for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
     const float2* in = work + row * M;
-    const float D = r.D ? r.D[row % r.H] : 0.0f;
-    const int64_t at = row * r.L;
-    auto output = [&](int m, float conv) {
-      if (m >= r.L) return;
-      float v = conv * scale;
-      if (r.D) {
-        const float x = to_f(u[at + m]);
-        v += D * (pre ? x * to_f(pre[at + m]) : x);
-      }
-      float o = r.gelu ? gelu_f(v) : v;
-      if (post) o *= to_f(post[at + m]);
-      y[at + m] = from_f<T>(o);
-    };
+    const typename Out::Row state = out.row(row);
     column_transforms<Plan, false>(
         Y, table, [&](int n1, int c) { return in[(int64_t)n1 * kRowLength + first + c]; },
-        [&](int n1, int c, float2 z) {  // z' = conj(z); only n1 < M1/2 holds outputs
+        [&](int n1, int c, float2 z) {  // only n1 < M1/2 holds outputs (L <= M)
           if (n1 >= Plan::M1 / 2) return;
           const int m = 2 * (kRowLength * n1 + first + c);
-          output(m, z.x);
-          output(m + 1, -z.y);
+          out(state, m, z.x);
+          out(state, m + 1, -z.y);
         });
     if (Plan::R2 > 1) __syncthreads();
   }
 }
+
+// y = postgate ⊙ act(c + D v), c = the convolution (as forward_epilogue)
+template <typename T>
+struct ForwardOut {
+  RowsArgs r;
+  float scale;
+  struct Row {
+    int64_t at;
+    float D;
+  };
+  BEM_FFT_FN Row row(int64_t row) const { return Row{row * r.L, r.D ? r.D[row % r.H] : 0.0f}; }
+  BEM_FFT_FN void operator()(const Row& w, int m, float conv) const {
+    if (m >= r.L) return;
+    const T* u = static_cast<const T*>(r.u);
+    const T* pre = static_cast<const T*>(r.pregate);
+    const T* post = static_cast<const T*>(r.postgate);
+    float v = conv * scale;
+    if (r.D) {
+      const float x = to_f(u[w.at + m]);
+      v += w.D * (pre ? x * to_f(pre[w.at + m]) : x);
+    }
+    float o = r.gelu ? gelu_f(v) : v;
+    if (post) o *= to_f(post[w.at + m]);
+    static_cast<T*>(r.y)[w.at + m] = from_f<T>(o);
+  }
+};
+
+// the convolution alone into float32 rows of `stride` (the backward's activation pass adds D v)
+struct ConvOut {
+  float* out;
+  int64_t stride;
+  int L;
+  float scale;
+  using Row = float*;
+  BEM_FFT_FN Row row(int64_t row) const { return out + row * stride; }
+  BEM_FFT_FN void operator()(Row w, int m, float conv) const {
+    if (m < L) w[m] = conv * scale;
+  }
+};
+
+// dv = corr(g, k) + D g, du = dv ⊙ pregate (dv without one), dpregate = dv ⊙ u (as input_grads); g from g_rows
+// (float32, rows of g_stride) or dy ⊙ postgate
+template <typename T>
+struct InputGradOut {
+  RowsArgs r;
+  const float* g_rows;
+  int64_t g_stride;
+  float scale;
+  struct Row {
+    int64_t at, g_at;
+    float D;
+  };
+  BEM_FFT_FN Row row(int64_t row) const { return Row{row * r.L, row * g_stride, r.D ? r.D[row % r.H] : 0.0f}; }
+  BEM_FFT_FN void operator()(const Row& w, int m, float corr) const {
+    if (m >= r.L) return;
+    const T* u = static_cast<const T*>(r.u);
+    const T* pre = static_cast<const T*>(r.pregate);
+    const int64_t at = w.at + m;
+    float dv = corr * scale;
+    if (r.D) {
+      const T* post = static_cast<const T*>(r.postgate);
+      const float g = g_rows ? g_rows[w.g_at + m]
+                             : (post ? to_f(static_cast<const T*>(r.dy)[at]) * to_f(post[at])
+                                     : to_f(static_cast<const T*>(r.dy)[at]));
+      dv += w.D * g;
+    }
+    if (r.du) static_cast<T*>(r.du)[at] = from_f<T>(pre ? dv * to_f(pre[at]) : dv);
+    if (r.dpregate) static_cast<T*>(r.dpregate)[at] = from_f<T>(dv * to_f(u[at]));
+  }
+};
+
+// dk's correlation: the first `taps` lags of each head's row
+struct CorrelationOut {
+  float* dk;
+  int taps;
+  float scale;
+  using Row = float*;
+  BEM_FFT_FN Row row(int64_t h) const { return dk + h * taps; }
+  BEM_FFT_FN void operator()(Row w, int m, float corr) const {
+    if (m < taps) w[m] = corr * scale;
+  }
+};
 
 // One item: the rows k1 and M1 - k1 of one (b, h) row (items with p = 0: rows 0 and M1/2, each its own pair).
 // Thread (x, y) works on row y of the item with BlockFft's code (threadIdx.x is its thread index); each row
@@ -217,67 +283,156 @@ BEM_FFT_FN void for_pairs(int p, int M1, const F& f) {
   }
 }
 
-template <bool kSpectrum>
-__global__ void __launch_bounds__(2 * kRowThreads, 1) tiled_rows_kernel(float2* work, float2* S, int64_t rows,
-                                                                         int H, int M) {
+// The real signal's bins k and M - k from the complex transform's (A at k, B at M - k), both doubled (2X),
+// W = exp(-2 pi i k / 2M); and back: the inverse transform's inputs at k and M - k (conjugated: the inverse
+// runs as the forward transform of the conjugate) from doubled products Y (as fftconv_block.cuh's pair()).
+struct Untangled {
+  float2 k, kp;
+};
+BEM_FFT_FN Untangled untangle(float2 A, float2 B, float2 W) {
+  const float2 Bc = conj2(B);
+  const float2 xe = cadd(A, Bc);
+  const float2 wxo = cmul(W, mul_neg_i(csub(A, Bc)));
+  return Untangled{cadd(xe, wxo), conj2(csub(xe, wxo))};
+}
+BEM_FFT_FN Untangled retangle(float2 Yk, float2 Ykp, float2 W) {
+  const float2 Ykpc = conj2(Ykp);
+  const float2 ye = cadd(Yk, Ykpc);
+  const float2 yo = cmulc(csub(Yk, Ykpc), W);
+  return Untangled{conj2(cadd(ye, mul_i(yo))), cadd(ye, mul_neg_i(yo))};
+}
+
+using RowsMode = TiledRows;
+using RowsParams = TiledRowsArgs;
+
+// Bins 0 and M of a real row are real: where a row of bins has no slot for M, slot 0 holds (X[0], X[M]).
+BEM_FFT_FN Untangled unpack_real_pair(float2 slot0) {
+  return Untangled{make_float2(slot0.x, 0.0f), make_float2(slot0.y, 0.0f)};
+}
+
+template <RowsMode kMode>
+__global__ void __launch_bounds__(2 * kRowThreads, 1) tiled_rows_kernel(const RowsParams p) {
   extern __shared__ float4 smem_f4[];
   constexpr int kRowSmem = Plan<kRowLength>::kSmemBytes / 16;  // float4s
   static_assert(Plan<kRowLength>::kSmemBytes % 16 == 0, "each row's shared memory starts 16-byte aligned");
+  constexpr bool kPerHead = kMode == RowsMode::kGrad || kMode == RowsMode::kCorrInverse;
   const RowFft mine(smem_f4 + threadIdx.y * kRowSmem);
   mine.build_twiddles();
-  const int M1 = M / kRowLength, items_per_row = M1 / 2;
-  const int64_t items = rows * items_per_row;
-  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
-    const int64_t row = item / items_per_row;
-    const int p = (int)(item % items_per_row);
-    const RowItem it(p, M1);
-    const int k1 = it.k1[threadIdx.y];
-    float2* data = work + row * M + (int64_t)k1 * kRowLength;
-    float2* spectrum = S + (row % H) * (int64_t)(M + 1);
-    // the forward transform of the row
+  const int M = p.M, M1 = M / kRowLength, items_per_row = M1 / 2;
+  const int64_t items = (kPerHead ? (int64_t)p.H : p.rows) * items_per_row;
+  // a slot's place in shared memory: its row's BlockFft data (padded), no RowFft per row (an array of them
+  // indexed at run time went to local memory)
+  auto slot_at = [&](int slot) {
+    return reinterpret_cast<float2*>(smem_f4 + (slot / kRowLength) * kRowSmem) + RowFft::pad(slot & (kRowLength - 1));
+  };
+  auto root_2M = [&](int k) {  // exp(-2 pi i k / 2M)
+    float s, c;
+    sincospif(-(float)k / (float)M, &s, &c);
+    return make_float2(c, s);
+  };
+  auto forward_rows = [&](const float2* data) {  // ends with a barrier: both rows' bins are in place
     mine.first_pass<false>([&](int n, int) { return data[n]; });
     mine.middle_passes();
-    mine.pass16(Plan<kRowLength>::kPasses16 - 1);  // ends with a barrier: both rows' bins are in place
-    // a slot's place in shared memory: its row's BlockFft data (padded), no RowFft per row (an array of them
-    // indexed at run time went to local memory)
-    auto slot_at = [&](int slot) {
-      return reinterpret_cast<float2*>(smem_f4 + (slot / kRowLength) * kRowSmem) + RowFft::pad(slot & (kRowLength - 1));
-    };
-    auto global_of = [&](int slot) { return (int64_t)it.k1[slot / kRowLength] * kRowLength + (slot & (kRowLength - 1)); };
-    for_pairs(p, M1, [&](int sa, int sb, int k) {
-      float2* const at_a = slot_at(sa);
-      float2* const at_b = slot_at(sb);
-      const float2 A = *at_a, B = *at_b;
-      const int kp = M - k;
-      float s, c;
-      sincospif(-(float)k / (float)M, &s, &c);
-      const float2 W = make_float2(c, s);
-      const float2 Bc = conj2(B);
-      const float2 xe = cadd(A, Bc);
-      const float2 wxo = cmul(W, mul_neg_i(csub(A, Bc)));
-      const float2 Xk = cadd(xe, wxo);
-      const float2 Xkp = conj2(csub(xe, wxo));
-      const int64_t ga = global_of(sa), gb = k == 0 ? M : global_of(sb);
-      if (kSpectrum) {
-        spectrum[ga] = cscale(Xk, 0.5f);
-        if (kp != k) spectrum[gb] = cscale(Xkp, 0.5f);
-        return;
-      }
-      const float2 Yk = cmul(Xk, spectrum[ga]);
-      const float2 Ykpc = conj2(cmul(Xkp, spectrum[gb]));
-      const float2 ye = cadd(Yk, Ykpc);
-      const float2 yo = cmulc(csub(Yk, Ykpc), W);
-      *at_a = conj2(cadd(ye, mul_i(yo)));
-      if (kp != k && k != 0) *at_b = cadd(ye, mul_neg_i(yo));
-    });
-    if (kSpectrum) continue;  // the next item's first pass reads global memory, then waits before writing
+    mine.pass16(Plan<kRowLength>::kPasses16 - 1);
+  };
+  auto inverse_rows_into = [&](float2* data, int k1) {  // the inverse of what the pairs left, times its twiddle
     __syncthreads();
-    // the inverse: the forward transform of the conjugate, times the inverse's twiddle, over A
     mine.first_pass<false>([&](int, int padded) { return mine.ldp(padded); });
     mine.middle_passes();
     mine.pass16(Plan<kRowLength>::kPasses16 - 1);
     for (int n2 = threadIdx.x; n2 < kRowLength; n2 += kRowThreads)
       data[n2] = cmul(mine.ld(n2), unit_root(n2 * k1, M));
+  };
+  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    const int64_t unit = item / items_per_row;  // the row (or the head, kPerHead)
+    const int pair = (int)(item % items_per_row);
+    const RowItem it(pair, M1);
+    const int k1 = it.k1[threadIdx.y];
+    auto global_of = [&](int slot) { return (int64_t)it.k1[slot / kRowLength] * kRowLength + (slot & (kRowLength - 1)); };
+    if constexpr (kMode == RowsMode::kSpectrum || kMode == RowsMode::kConv) {
+      float2* data = p.work + unit * M + (int64_t)k1 * kRowLength;
+      float2* spectrum = p.S + (unit % p.H) * (int64_t)(M + 1);
+      forward_rows(data);
+      for_pairs(pair, M1, [&](int sa, int sb, int k) {
+        float2* const at_a = slot_at(sa);
+        float2* const at_b = slot_at(sb);
+        const int kp = M - k;
+        const float2 W = root_2M(k);
+        const Untangled X = untangle(*at_a, *at_b, W);
+        const int64_t ga = global_of(sa), gb = k == 0 ? M : global_of(sb);
+        if (kMode == RowsMode::kSpectrum) {
+          spectrum[ga] = cscale(X.k, 0.5f);
+          if (kp != k) spectrum[gb] = cscale(X.kp, 0.5f);
+          return;
+        }
+        const Untangled Z = retangle(cmul(X.k, spectrum[ga]), cmul(X.kp, spectrum[gb]), W);
+        *at_a = Z.k;
+        if (kp != k && k != 0) *at_b = Z.kp;
+      });
+      // kSpectrum: the next item's first pass reads global memory, then waits before writing
+      if (kMode == RowsMode::kConv) inverse_rows_into(data, k1);
+    } else if constexpr (kMode == RowsMode::kGrad) {
+      const int h = (int)unit;
+      const float2* spectrum = p.S + (int64_t)h * (M + 1);
+      float2* acc = p.acc + (int64_t)h * M;
+      for (int b = 0; b < p.B; ++b) {
+        const int64_t row = (int64_t)b * p.H + h;
+        float2* V = p.V + row * M;
+        float2* G = p.work + row * M;
+        if (p.acc) {  // V's bins (dk), over its own rows (slot 0 of row 0: bins 0 and M)
+          forward_rows(V + (int64_t)k1 * kRowLength);
+          for_pairs(pair, M1, [&](int sa, int sb, int k) {
+            const Untangled X = untangle(*slot_at(sa), *slot_at(sb), root_2M(k));
+            if (k == 0) {
+              V[0] = make_float2(X.k.x, X.kp.x);
+              return;
+            }
+            V[global_of(sa)] = X.k;
+            if (M - k != k) V[global_of(sb)] = X.kp;
+          });
+          __syncthreads();  // V's bins written (visible to the block); the transform's reads of shared memory done
+        }
+        forward_rows(G + (int64_t)k1 * kRowLength);
+        for_pairs(pair, M1, [&](int sa, int sb, int k) {
+          float2* const at_a = slot_at(sa);
+          float2* const at_b = slot_at(sb);
+          const int kp = M - k;
+          const float2 W = root_2M(k);
+          const Untangled X = untangle(*at_a, *at_b, W);
+          const int64_t ga = global_of(sa), gb = global_of(sb);
+          if (!p.acc) {
+          } else if (k == 0) {
+            const float2 v0 = V[0];
+            const float2 c = make_float2(X.k.x * v0.x, X.kp.x * v0.y);
+            acc[0] = b == 0 ? c : cadd(acc[0], c);
+          } else {
+            const float2 ck = cmulc(X.k, V[ga]);
+            acc[ga] = b == 0 ? ck : cadd(acc[ga], ck);
+            if (kp != k) {
+              const float2 ckp = cmulc(X.kp, V[gb]);
+              acc[gb] = b == 0 ? ckp : cadd(acc[gb], ckp);
+            }
+          }
+          if (!p.grads) return;
+          const Untangled Z = retangle(cmulc(X.k, spectrum[ga]), cmulc(X.kp, spectrum[k == 0 ? M : gb]), W);
+          *at_a = Z.k;
+          if (kp != k && k != 0) *at_b = Z.kp;
+        });
+        if (p.grads) inverse_rows_into(G + (int64_t)k1 * kRowLength, k1);
+        __syncthreads();  // the next batch row's transforms write shared memory
+      }
+    } else {  // kCorrInverse: acc's bins, doubled twice (2G conj 2V), through the inverse
+      float2* acc = p.work + unit * M;
+      for_pairs(pair, M1, [&](int sa, int sb, int k) {
+        const int kp = M - k;
+        const Untangled Y = k == 0 ? unpack_real_pair(acc[0]) : Untangled{acc[global_of(sa)], acc[global_of(sb)]};
+        const Untangled Z = retangle(Y.k, Y.kp, root_2M(k));
+        *slot_at(sa) = Z.k;
+        if (kp != k && k != 0) *slot_at(sb) = Z.kp;
+      });
+      inverse_rows_into(acc + (int64_t)k1 * kRowLength, k1);
+      __syncthreads();  // acc's rows are read before the next item's pairs write shared memory
+    }
   }
 }
 
@@ -312,34 +467,66 @@ cudaError_t launch_tiled_columns(Dtype dtype, const void* a, const void* gate, i
   });
 }
 
-cudaError_t launch_tiled_rows(bool spectrum, float2* work, float2* S, int64_t rows, int H, int M, int num_sms,
-                              cudaStream_t stream) {
-  if (!tiled_length(M)) return cudaErrorInvalidValue;
+cudaError_t launch_tiled_rows(TiledRows mode, const TiledRowsArgs& args, int num_sms, cudaStream_t stream) {
+  if (!tiled_length(args.M)) return cudaErrorInvalidValue;
   auto launch = [&](auto kernel) {
     const int smem = tiled_rows_smem_bytes();
     const int resident = resident_blocks(kernel, 2 * kRowThreads, smem);
     if (resident == 0) return cudaErrorInvalidConfiguration;
-    const int64_t items = rows * (M / kRowLength / 2);
-    kernel<<<grid_for(items, resident, num_sms), dim3(kRowThreads, 2), smem, stream>>>(work, S, rows, H, M);
+    const bool per_head = mode == TiledRows::kGrad || mode == TiledRows::kCorrInverse;
+    const int64_t items = (per_head ? (int64_t)args.H : args.rows) * (args.M / kRowLength / 2);
+    kernel<<<grid_for(items, resident, num_sms), dim3(kRowThreads, 2), smem, stream>>>(args);
     return cudaGetLastError();
   };
-  return spectrum ? launch(tiled_rows_kernel<true>) : launch(tiled_rows_kernel<false>);
+  switch (mode) {
+    case TiledRows::kSpectrum: return launch(tiled_rows_kernel<TiledRows::kSpectrum>);
+    case TiledRows::kConv: return launch(tiled_rows_kernel<TiledRows::kConv>);
+    case TiledRows::kGrad: return launch(tiled_rows_kernel<TiledRows::kGrad>);
+    case TiledRows::kCorrInverse: return launch(tiled_rows_kernel<TiledRows::kCorrInverse>);
+  }
+  return cudaErrorInvalidValue;
 }
+
+namespace {
+template <class Out>
+cudaError_t launch_inverse(const float2* work, int64_t rows, int M, const Out& out, cudaStream_t stream) {
+  if (!tiled_length(M)) return cudaErrorInvalidValue;
+  return with_column_length(M / kRowLength, [&](auto plan) {
+    using Plan = decltype(plan);
+    cudaError_t e = allow_smem(tiled_inverse_kernel<Plan, Out>, Plan::kSmemBytes);
+    if (e != cudaSuccess) return e;
+    tiled_inverse_kernel<Plan, Out><<<column_grid(rows, Plan::C), kColumnThreads, Plan::kSmemBytes, stream>>>(
+        work, rows, out);
+    return cudaGetLastError();
+  });
+}
+float inverse_scale(int M) { return 1.0f / (4.0f * (float)M); }
+}  // namespace
 
 cudaError_t launch_tiled_epilogue(Dtype dtype, const float2* work, const RowsArgs& rows, int M,
                                   cudaStream_t stream) {
-  if (!tiled_length(M)) return cudaErrorInvalidValue;
   return with_dtype(dtype, [&](auto zero) {
     using T = decltype(zero);
-    return with_column_length(M / kRowLength, [&](auto plan) {
-      using Plan = decltype(plan);
-      cudaError_t e = allow_smem(tiled_epilogue_kernel<Plan, T>, Plan::kSmemBytes);
-      if (e != cudaSuccess) return e;
-      tiled_epilogue_kernel<Plan, T><<<column_grid(rows.rows, Plan::C), kColumnThreads, Plan::kSmemBytes, stream>>>(
-          work, rows);
-      return cudaGetLastError();
-    });
+    return launch_inverse(work, rows.rows, M, ForwardOut<T>{rows, inverse_scale(M)}, stream);
   });
+}
+
+cudaError_t launch_tiled_conv(const float2* work, float* out, int64_t stride, int64_t rows, int L, int M,
+                              cudaStream_t stream) {
+  return launch_inverse(work, rows, M, ConvOut{out, stride, L, inverse_scale(M)}, stream);
+}
+
+cudaError_t launch_tiled_input_grads(Dtype dtype, const float2* work, const RowsArgs& rows, const float* g_rows,
+                                     int64_t g_stride, int M, cudaStream_t stream) {
+  return with_dtype(dtype, [&](auto zero) {
+    using T = decltype(zero);
+    return launch_inverse(work, rows.rows, M, InputGradOut<T>{rows, g_rows, g_stride, inverse_scale(M)}, stream);
+  });
+}
+
+cudaError_t launch_tiled_correlation(const float2* acc, float* dk, int H, int taps, int M, cudaStream_t stream) {
+  // acc holds 2G conj 2V: half of the doubled products the other outputs are scaled for
+  return launch_inverse(acc, H, M, CorrelationOut{dk, taps, 0.5f * inverse_scale(M)}, stream);
 }
 
 }  // namespace fftconv
