@@ -284,13 +284,14 @@ void tiled_backward(const Shape& s, const Tensor& u, const Tensor& grad_y, const
   }
   if (need_D) {
     // fresh float32 tensors (u.to(kFloat) is u itself when u is float32: nothing here writes in place into it)
-    const Tensor v = pregate.has_value() ? u.to(at::kFloat) * pregate->to(at::kFloat) : u.to(at::kFloat);
+    // (type promotion makes each product float32 without a converted copy of its second operand)
+    const Tensor v = pregate.has_value() ? u.to(at::kFloat) * *pregate : u.to(at::kFloat);
     Tensor gv;
     if (need_c) {
       gv = g.narrow(1, 0, s.L).view({s.B, s.H, s.L}) * v;
     } else {
       gv = grad_y.to(at::kFloat) * v;
-      if (postgate.has_value()) gv.mul_(postgate->to(at::kFloat));
+      if (postgate.has_value()) gv.mul_(*postgate);
     }
     dD = gv.sum(at::IntArrayRef{0, 2}).to(D->scalar_type());
   }
