@@ -115,6 +115,11 @@ cudaError_t launch_activation_backward(Dtype dtype, const float* conv, float* g,
 cudaError_t launch_input_grads(Dtype dtype, const float* corr, const float* g, const RowsArgs& rows,
                                cudaStream_t stream);
 
+// dD's sums: part (rows, chunks) in double, each the sum of g v over a chunk of a row (v = u ⊙ pregate; g from
+// float32 rows of g_stride, or dy ⊙ postgate where g_rows is null).
+cudaError_t launch_dD_parts(Dtype dtype, const float* g_rows, int64_t g_stride, const RowsArgs& rows, double* part,
+                            int chunks, cudaStream_t stream);
+
 // ---- 16384 < M <= 2^20: a four-step FFT (fftconv_tiled.cu) ----
 //
 // work: float2 (rows, M). S: (H, M + 1) with S[h][k1 M2 + k2] = X[k1 + M1 k2] (k < M), S[h][M] = X[M], where

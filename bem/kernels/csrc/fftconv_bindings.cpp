@@ -252,10 +252,19 @@ std::vector<Tensor> fftconv_forward(const Tensor& u, const Tensor& k, const OptT
   return {y, kept};
 }
 
+// dD = sum over b and t of g v, per h: double sums over chunks of each row, then over b and the chunks.
+Tensor dD_sum(const Shape& s, const fc::RowsArgs& r, const float* g_rows, int64_t g_stride, at::ScalarType dtype) {
+  const int chunks = (int)std::min<int64_t>(32, (s.L + 4095) / 4096);
+  Tensor part = at::empty({s.B, s.H, chunks}, at::TensorOptions().device(at::kCUDA, c10::cuda::current_device())
+                                                   .dtype(at::kDouble));
+  C10_CUDA_CHECK(fc::launch_dD_parts(s.dtype, g_rows, g_stride, r, part.data_ptr<double>(), chunks, stream_now()));
+  return part.sum(at::IntArrayRef{0, 2}).to(dtype);
+}
+
 // The backward for 16384 < M <= 2^20 in the four-step form: g's rows (from the activation pass, or dy ⊙ postgate)
 // and v's rows through the columns; one rows launch per h over its batch rows (V's bins, the sum of G conj V,
-// G conj S through the inverse); the inverse columns into du and dpregate; dk from the sum's inverse. dD is a
-// float32 sum of g v, as the cuFFT path's.
+// G conj S through the inverse); the inverse columns into du and dpregate; dk from the sum's inverse; dD from
+// dD_sum.
 void tiled_backward(const Shape& s, const Tensor& u, const Tensor& grad_y, const OptTensor& pregate,
                     const OptTensor& postgate, const OptTensor& D, const Tensor& S, const fc::RowsArgs& r,
                     bool need_c, bool need_inputs, bool need_k, bool need_D, const Tensor& k, Tensor& dk,
@@ -282,19 +291,7 @@ void tiled_backward(const Shape& s, const Tensor& u, const Tensor& grad_y, const
     C10_CUDA_CHECK(fc::launch_tiled_columns(s.dtype, grad_y.data_ptr(), ptr(postgate), s.L, (int)s.L, rows, M,
                                             f2(work_g), stream_now()));
   }
-  if (need_D) {
-    // fresh float32 tensors (u.to(kFloat) is u itself when u is float32: nothing here writes in place into it)
-    // (type promotion makes each product float32 without a converted copy of its second operand)
-    const Tensor v = pregate.has_value() ? u.to(at::kFloat) * *pregate : u.to(at::kFloat);
-    Tensor gv;
-    if (need_c) {
-      gv = g.narrow(1, 0, s.L).view({s.B, s.H, s.L}) * v;
-    } else {
-      gv = grad_y.to(at::kFloat) * v;
-      if (postgate.has_value()) gv.mul_(*postgate);
-    }
-    dD = gv.sum(at::IntArrayRef{0, 2}).to(D->scalar_type());
-  }
+  if (need_D) dD = dD_sum(s, r, need_c ? g.data_ptr<float>() : nullptr, padded, D->scalar_type());
   if (!need_inputs && !need_k) return;
   Tensor work_v, acc;
   if (need_k) {
@@ -441,9 +438,7 @@ std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, cons
     C10_CUDA_CHECK(fc::launch_pad_rows(s.dtype, grad_y.data_ptr(), ptr(postgate), g.data_ptr<float>(), r,
                                        stream_now()));
   }
-  if (need_D) {
-    dD = (g.narrow(1, 0, s.L) * v.narrow(1, 0, s.L)).view({s.B, s.H, s.L}).sum(at::IntArrayRef{0, 2}).to(D->scalar_type());
-  }
+  if (need_D) dD = dD_sum(s, r, g.data_ptr<float>(), N, D->scalar_type());
   v.reset();
   Tensor G = at::fft_rfft(g, N, -1);
   if (need_k) {

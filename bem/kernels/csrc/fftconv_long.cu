@@ -102,7 +102,48 @@ __global__ void __launch_bounds__(kThreads) input_grads_kernel(const float* corr
   }
 }
 
+// part[row * gridDim.x + chunk] = sum over the chunk of g v in double, v = u ⊙ pregate, g from float32 rows of
+// g_stride or, with g_rows null, dy ⊙ postgate
+template <typename T>
+__global__ void __launch_bounds__(kThreads) dD_parts_kernel(const float* g_rows, int64_t g_stride, RowsArgs r,
+                                                            double* part) {
+  __shared__ double warp_sums[kThreads / 32];
+  const T* u = static_cast<const T*>(r.u);
+  const T* pre = static_cast<const T*>(r.pregate);
+  const T* dy = static_cast<const T*>(r.dy);
+  const T* post = static_cast<const T*>(r.postgate);
+  const int64_t chunk = (r.L + gridDim.x - 1) / gridDim.x;
+  BEM_FOR_ROWS(r.rows) {
+    const int64_t begin = blockIdx.x * chunk, end = begin + chunk < r.L ? begin + chunk : r.L;
+    double sum = 0.0;
+    for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
+      const int64_t at = row * r.L + i;
+      const float g = g_rows ? g_rows[row * g_stride + i] : gated(dy, post, at);
+      sum += (double)g * (double)gated(u, pre, at);
+    }
+    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_down_sync(0xffffffffu, sum, offset);
+    if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = sum;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      double total = 0.0;
+      for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w];
+      part[row * gridDim.x + blockIdx.x] = total;
+    }
+    __syncthreads();
+  }
+}
+
 }  // namespace
+
+cudaError_t launch_dD_parts(Dtype dtype, const float* g_rows, int64_t g_stride, const RowsArgs& rows, double* part,
+                            int chunks, cudaStream_t stream) {
+  return with_dtype(dtype, [&](auto zero) {
+    using T = decltype(zero);
+    const dim3 grid((unsigned)chunks, (unsigned)(rows.rows < 65535 ? rows.rows : 65535));
+    dD_parts_kernel<T><<<grid, kThreads, 0, stream>>>(g_rows, g_stride, rows, part);
+    return cudaGetLastError();
+  });
+}
 
 cudaError_t launch_pad_rows(Dtype dtype, const void* a, const void* gate, float* out, const RowsArgs& rows,
                             cudaStream_t stream) {
