@@ -102,9 +102,18 @@ __device__ __forceinline__ void column_transforms(float2* Y, const float2* table
   }
 }
 
-template <int M1>
-__device__ __forceinline__ void build_column_table(float2* table) {
-  for (int q = threadIdx.x; q < M1; q += kColumnThreads) table[q] = unit_root(q, M1);
+// The column passes' shared memory: Y (plans of two passes), then the table w_M1^j, built and waited for.
+struct ColumnShared {
+  float2* Y;
+  float2* table;
+};
+template <class Plan>
+__device__ __forceinline__ ColumnShared column_shared(float4* smem) {
+  float2* Y = reinterpret_cast<float2*>(smem);
+  float2* table = Y + (Plan::R2 > 1 ? kTile : 0);
+  for (int q = threadIdx.x; q < Plan::M1; q += kColumnThreads) table[q] = unit_root(q, Plan::M1);
+  __syncthreads();
+  return ColumnShared{Y, table};
 }
 
 // Forward columns of real rows: z[n] = (x[2n], x[2n+1]), x = a ⊙ gate (gate may be null) over a row's first
@@ -114,10 +123,7 @@ __global__ void __launch_bounds__(kColumnThreads) tiled_columns_kernel(const T* 
                                                                        int valid, int64_t rows, float2* work) {
   extern __shared__ float4 smem_f4[];
   constexpr int M = Plan::M1 * kRowLength;
-  float2* Y = reinterpret_cast<float2*>(smem_f4);
-  float2* table = Y + (Plan::R2 > 1 ? kTile : 0);
-  build_column_table<Plan::M1>(table);
-  __syncthreads();
+  const auto [Y, table] = column_shared<Plan>(smem_f4);
   const int first = blockIdx.x * Plan::C;  // the tile's first column
   for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
     const T* x = a + row * stride;
@@ -149,10 +155,7 @@ __global__ void __launch_bounds__(kColumnThreads) tiled_inverse_kernel(const flo
                                                                        const Out out) {
   extern __shared__ float4 smem_f4[];
   constexpr int M = Plan::M1 * kRowLength;
-  float2* Y = reinterpret_cast<float2*>(smem_f4);
-  float2* table = Y + (Plan::R2 > 1 ? kTile : 0);
-  build_column_table<Plan::M1>(table);
-  __syncthreads();
+  const auto [Y, table] = column_shared<Plan>(smem_f4);
   const int first = blockIdx.x * Plan::C;
   for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
     const float2* in = work + row * M;
