@@ -14,6 +14,10 @@
 //
 // The filter's spectrum for these lengths is kept in the same order: S[h][k1 M2 + k2] = X[k1 + M1 k2] for
 // k < M, S[h][M] = X[M] (the natural order's (M2, M1) block, transposed).
+//
+// The backward (tiled_backward, fftconv_bindings.cpp) takes the same passes over g's and v's rows; its rows
+// launch loops over one head's batch rows, keeping V's bins, summing G conj(V) for dk and sending G conj(S)
+// through the inverse for du.
 #include "fftconv_launch.cuh"
 
 namespace bem {
@@ -38,7 +42,7 @@ __device__ __forceinline__ float2 unit_root(int a, int M) {
 // (c, nb)) takes the R1 points nb, R2 + nb, .. of its column from global memory into registers, transforms
 // them, multiplies by w_M1^(nb ka) and writes shared memory; pass 2 (an item per (c, ka)) reads the R2 values
 // of ka, transforms them and hands k1 = ka + R1 kb to the consumer. Each point goes through shared memory
-// once (a Stockham pass per factor of two took 7 trips at M1 = 128).
+// once (radix-2 Stockham passes would take 7 trips at M1 = 128).
 template <int M1_>
 struct ColumnPlan {
   static constexpr int M1 = M1_;
