@@ -364,3 +364,14 @@ def test_training_takes_the_fused_ops_unless_bem_fused_training_is_0(value, uses
     code = "from bem.kernels import ops; print(ops.TRAINING_USES_REFERENCE)"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str(uses_reference)
+
+
+@pytest.mark.parametrize("shapes", ["1x4096x4096", "1x4096x4096x0", "1xax2x3"])
+def test_kernel_benchmark_refuses_a_malformed_shape(shapes, capsys):
+    from bem.kernels import bench
+
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--shapes", shapes])
+    assert exit_info.value.code == 2
+    assert "a shape is MxKxNxR with positive integers" in capsys.readouterr().err
+    assert bench.parse_shapes("1x4096x4096x8, 16x2048x8192x32") == [(1, 4096, 4096, 8), (16, 2048, 8192, 32)]

@@ -239,14 +239,19 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
+def parse_shapes(text: str, form: str = "MxKxNxR") -> list[tuple[int, ...]]:
+    """Comma-separated shapes of `form`'s dimensions (e.g. 8x768x8192 for BxHxL), for a `--shapes` option."""
     shapes = []
     for item in text.split(","):
         parts = item.strip().lower().split("x")
-        if len(parts) != 4 or not all(part.isdigit() and int(part) > 0 for part in parts):
-            raise argparse.ArgumentTypeError(f"a shape is MxKxNxR with positive integers, got {item!r}")
+        if len(parts) != len(form.split("x")) or not all(part.isdigit() and int(part) > 0 for part in parts):
+            raise argparse.ArgumentTypeError(f"a shape is {form} with positive integers, got {item!r}")
         shapes.append(tuple(int(part) for part in parts))
     return shapes
+
+
+def _parse_shapes(text: str) -> list[tuple[int, ...]]:
+    return parse_shapes(text, "MxKxNxR")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -127,20 +127,14 @@ def format_table(results: list[dict], step: dict, device: str) -> str:
     return "\n".join(lines)
 
 
-def _shapes(text: str) -> list[tuple[int, int, int]]:
-    shapes = []
-    for item in text.split(","):
-        parts = item.lower().split("x")
-        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise argparse.ArgumentTypeError(f"a shape is B x H x L, three positive integers like 8x768x8192; got {item!r}")
-        shapes.append(tuple(int(p) for p in parts))
-    return shapes
+def _shapes(text: str) -> list[tuple[int, ...]]:
+    return common.parse_shapes(text, "BxHxL")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="three shapes")
-    parser.add_argument("--shapes", type=_shapes, help="B x H x L shapes instead, comma-separated: 1x768x1048576")
+    parser.add_argument("--shapes", type=_shapes, help="BxHxL shapes instead, comma-separated: 1x768x1048576")
     parser.add_argument("--json", help="write every number to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or custom_ops.extension() is None:
