@@ -203,6 +203,11 @@ def test_fake_ops_give_the_shapes_the_kernels_return():
         assert S.shape == (3, 4097) and S.dtype == torch.complex64
         y = custom_ops.fftconv(u, k, D, u, u, True, S)
         assert y.shape == u.shape and y.dtype == u.dtype
+        # the op's second output: the spectrum it computed, kept for the backward (up to M = 16384), else empty
+        assert custom_ops.fftconv_op(u, k, D, None, None, False, S)[1].shape == (0,)
+        assert custom_ops.fftconv_op(u, k, D, None, None, False, None)[1].shape == (3, 4097)
+        long_u = torch.empty(1, 3, 20000, dtype=torch.bfloat16)
+        assert custom_ops.fftconv_op(long_u, k, D, None, None, False, None)[1].shape == (0,)
         grads = custom_ops.fftconv_bwd(u, u, k, D, None, u, True, None, [True, True, False, False, True])
         assert [tuple(g.shape) for g in grads] == [tuple(u.shape), (3, 100), (0,), (0,), tuple(u.shape)]
         assert grads[1].dtype == k.dtype
