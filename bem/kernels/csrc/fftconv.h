@@ -4,9 +4,9 @@
 // Spectrum length M = max(1024, next power of two >= L): the convolution runs as real FFTs of size 2M.
 // S, the filter's spectrum, is complex (H, M + 1): S = rfft(k[:, :L], n = 2M). D ⊙ v is added directly.
 // Up to M = 16384 (L <= 16384) one thread block transforms one row in shared memory (fftconv_block.cuh);
-// above, up to M = 2^20, the forward runs as a four-step FFT of three passes (fftconv_tiled.cu), whose
-// spectrum S is in that order; the backward there, and both directions above 2^20, take cuFFT's transforms
-// with the element-wise kernels of fftconv_long.cu.
+// above, up to M = 2^20, forward and backward run as a four-step FFT of three passes (fftconv_tiled.cu), whose
+// spectrum S is in that order; above 2^20 cuFFT's transforms with the element-wise kernels of fftconv_long.cu
+// (whose activation pass and dD sums the four-step backward uses too).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -83,7 +83,7 @@ cudaError_t launch_spectrum(int M, const SpectrumArgs& args, int num_sms, cudaSt
 cudaError_t launch_forward(Dtype dtype, int M, const ForwardArgs& args, int num_sms, cudaStream_t stream);
 cudaError_t launch_backward(Dtype dtype, int M, const BackwardArgs& args, int blocks, cudaStream_t stream);
 
-// ---- above M = 16384: element-wise passes around cuFFT (fftconv_long.cu), rows of L, padded rows of 2M ----
+// ---- element-wise passes around cuFFT above M = 2^20 (fftconv_long.cu), rows of L, padded rows of 2M ----
 
 // The rows of u, pregate, postgate, dy, du, dpregate, dpostgate (rows = B H, of L); h = row % H.
 struct RowsArgs {

@@ -1,7 +1,7 @@
 // Torch bindings of the fftconv op family: every argument checked, naming the operand (ValueError, or
 // TypeError for a dtype), before anything is allocated or launched; the choice between the block kernels
-// (L <= 16384), the four-step forward (up to 2^20) and cuFFT around the element-wise kernels (the backward
-// above 16384, everything above 2^20); allocation; every launch checked.
+// (L <= 16384), the four-step form (up to 2^20) and cuFFT around the element-wise kernels (above); allocation;
+// every launch checked.
 #include <torch/extension.h>
 
 #include <c10/cuda/CUDAException.h>

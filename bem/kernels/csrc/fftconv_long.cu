@@ -1,5 +1,6 @@
-// The element-wise passes of the convolution above L = 16384, around cuFFT's transforms (the bindings
-// call them): each reads the sequence-length rows once and the float32 padded rows (2M per row) once.
+// The element-wise passes of the convolution above L = 2^20, around cuFFT's transforms (the bindings call
+// them): each reads the sequence-length rows once and the float32 padded rows (2M per row) once. The four-step
+// backward (16384 < L <= 2^20) uses the activation pass and dD's sums too.
 #include "fftconv_launch.cuh"
 
 namespace bem {
