@@ -207,6 +207,18 @@ Tensor dk_of(const Tensor& correlation, const Tensor& k) {  // (H, taps) float32
   return dk;
 }
 
+// The four-step convolution of v = u ⊙ pregate with the filter (spectrum S) up to its inverse columns: the
+// columns and the rows (the product and the inverse rows), into new work rows.
+Tensor tiled_convolve(const Shape& s, const Tensor& u, const OptTensor& pregate, const Tensor& S) {
+  const int64_t rows = s.B * s.H;
+  Tensor work = tiled_work(rows, s.M, u);
+  C10_CUDA_CHECK(fc::launch_tiled_columns(s.dtype, u.data_ptr(), ptr(pregate), s.L, (int)s.L, rows, (int)s.M,
+                                          f2(work), stream_now()));
+  const fc::TiledRowsArgs args{f2(work), f2(S), nullptr, nullptr, rows, (int)s.B, (int)s.H, (int)s.M, false};
+  C10_CUDA_CHECK(fc::launch_tiled_rows(fc::TiledRows::kConv, args, num_sms(u.get_device()), stream_now()));
+  return work;
+}
+
 // (y, S'): S' the spectrum this call computed where M <= kMaxBlockSpectrum (the backward reuses it), else
 // empty (a spectrum was given, or it is too large to hold until the backward).
 std::vector<Tensor> fftconv_forward(const Tensor& u, const Tensor& k, const OptTensor& D, const OptTensor& pregate,
@@ -215,10 +227,10 @@ std::vector<Tensor> fftconv_forward(const Tensor& u, const Tensor& k, const OptT
   const c10::cuda::CUDAGuard guard(u.device());
   Tensor y = at::empty_like(u);
   const bool keep = !spectrum.has_value() && s.M <= fc::kMaxBlockSpectrum;
-  Tensor none = at::empty({0}, u.options().dtype(at::kComplexFloat));
-  if (u.numel() == 0) return {y, keep ? at::zeros({s.H, s.M + 1}, none.options()) : none};
+  const auto complex64 = u.options().dtype(at::kComplexFloat);
+  if (u.numel() == 0) return {y, keep ? at::zeros({s.H, s.M + 1}, complex64) : at::empty({0}, complex64)};
   const Tensor S = spectrum_for(k, s, spectrum);
-  const Tensor kept = keep ? S : none;
+  const Tensor kept = keep ? S : at::empty({0}, complex64);
   const OptTensor D32 = float32(D);
   if (block_path(s.M, u.get_device())) {
     const fc::ForwardArgs args{u.data_ptr(), ptr(pregate), ptr(postgate),
@@ -230,12 +242,8 @@ std::vector<Tensor> fftconv_forward(const Tensor& u, const Tensor& k, const OptT
   }
   fc::RowsArgs r = rows_args(s, u, pregate, postgate, D32, gelu);
   r.y = y.data_ptr();
-  if (tiled_path(s.M, u.get_device())) {  // columns, rows (with the product), inverse columns and epilogue
-    Tensor work = tiled_work(r.rows, s.M, u);
-    C10_CUDA_CHECK(fc::launch_tiled_columns(s.dtype, u.data_ptr(), ptr(pregate), s.L, (int)s.L, r.rows, (int)s.M,
-                                            f2(work), stream_now()));
-    const fc::TiledRowsArgs rows{f2(work), f2(S), nullptr, nullptr, r.rows, (int)s.B, (int)s.H, (int)s.M, false};
-    C10_CUDA_CHECK(fc::launch_tiled_rows(fc::TiledRows::kConv, rows, num_sms(u.get_device()), stream_now()));
+  if (tiled_path(s.M, u.get_device())) {
+    const Tensor work = tiled_convolve(s, u, pregate, S);
     C10_CUDA_CHECK(fc::launch_tiled_epilogue(s.dtype, f2(work), r, (int)s.M, stream_now()));
     return {y, kept};
   }
@@ -253,12 +261,11 @@ std::vector<Tensor> fftconv_forward(const Tensor& u, const Tensor& k, const OptT
 }
 
 // dD = sum over b and t of g v, per h: double sums over chunks of each row, then over b and the chunks.
-Tensor dD_sum(const Shape& s, const fc::RowsArgs& r, const float* g_rows, int64_t g_stride, at::ScalarType dtype) {
+Tensor dD_sum(const Shape& s, const fc::RowsArgs& r, const float* g_rows, int64_t g_stride, const Tensor& D) {
   const int chunks = (int)std::min<int64_t>(32, (s.L + 4095) / 4096);
-  Tensor part = at::empty({s.B, s.H, chunks}, at::TensorOptions().device(at::kCUDA, c10::cuda::current_device())
-                                                   .dtype(at::kDouble));
+  Tensor part = at::empty({s.B, s.H, chunks}, D.options().dtype(at::kDouble));
   C10_CUDA_CHECK(fc::launch_dD_parts(s.dtype, g_rows, g_stride, r, part.data_ptr<double>(), chunks, stream_now()));
-  return part.sum(at::IntArrayRef{0, 2}).to(dtype);
+  return part.sum(at::IntArrayRef{0, 2}).to(D.scalar_type());
 }
 
 // The backward for 16384 < M <= 2^20 in the four-step form: g's rows (from the activation pass, or dy ⊙ postgate)
@@ -272,13 +279,10 @@ void tiled_backward(const Shape& s, const Tensor& u, const Tensor& grad_y, const
   const int M = (int)s.M, sms = num_sms(u.get_device());
   const int64_t rows = r.rows, padded = 2 * s.M;
   const auto f32 = u.options().dtype(at::kFloat);
-  Tensor work_g = tiled_work(rows, s.M, u);
+  Tensor work_g;
   Tensor g;  // float32 rows of 2M, from the activation pass
   if (need_c) {  // c again through the forward's passes, then g (and dpostgate) from it
-    C10_CUDA_CHECK(fc::launch_tiled_columns(s.dtype, u.data_ptr(), ptr(pregate), s.L, (int)s.L, rows, M,
-                                            f2(work_g), stream_now()));
-    const fc::TiledRowsArgs conv{f2(work_g), f2(S), nullptr, nullptr, rows, (int)s.B, (int)s.H, M, false};
-    C10_CUDA_CHECK(fc::launch_tiled_rows(fc::TiledRows::kConv, conv, sms, stream_now()));
+    work_g = tiled_convolve(s, u, pregate, S);
     Tensor c = at::empty({rows, padded}, f32);
     C10_CUDA_CHECK(fc::launch_tiled_conv(f2(work_g), c.data_ptr<float>(), padded, rows, (int)s.L, M, stream_now()));
     g = at::empty({rows, padded}, f32);
@@ -288,10 +292,11 @@ void tiled_backward(const Shape& s, const Tensor& u, const Tensor& grad_y, const
     C10_CUDA_CHECK(fc::launch_tiled_columns(fc::Dtype::kFloat, g.data_ptr(), nullptr, padded, (int)s.L, rows, M,
                                             f2(work_g), stream_now()));
   } else {
+    work_g = tiled_work(rows, s.M, u);
     C10_CUDA_CHECK(fc::launch_tiled_columns(s.dtype, grad_y.data_ptr(), ptr(postgate), s.L, (int)s.L, rows, M,
                                             f2(work_g), stream_now()));
   }
-  if (need_D) dD = dD_sum(s, r, need_c ? g.data_ptr<float>() : nullptr, padded, D->scalar_type());
+  if (need_D) dD = dD_sum(s, r, need_c ? g.data_ptr<float>() : nullptr, padded, *D);
   if (!need_inputs && !need_k) return;
   Tensor work_v, acc;
   if (need_k) {
@@ -438,7 +443,7 @@ std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, cons
     C10_CUDA_CHECK(fc::launch_pad_rows(s.dtype, grad_y.data_ptr(), ptr(postgate), g.data_ptr<float>(), r,
                                        stream_now()));
   }
-  if (need_D) dD = dD_sum(s, r, g.data_ptr<float>(), N, D->scalar_type());
+  if (need_D) dD = dD_sum(s, r, g.data_ptr<float>(), N, *D);
   v.reset();
   Tensor G = at::fft_rfft(g, N, -1);
   if (need_k) {
