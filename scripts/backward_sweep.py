@@ -55,7 +55,7 @@ def sweep_row(M: int, K: int, N: int, r: int, l2_bytes: int) -> dict[str, float]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", type=bench._parse_shapes, help="comma-separated MxKxNxR")
+    parser.add_argument("--shapes", type=bench.parse_shapes, help="comma-separated MxKxNxR")
     args = parser.parse_args()
     shapes = args.shapes or default_shapes()
     ops.TRAINING_USES_REFERENCE = False  # the fused ops under autograd at every size

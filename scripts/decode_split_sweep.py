@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--shapes", help="comma-separated MxKxNxr")
     parser.add_argument("--conv1d", action="store_true", help="weights stored (K, N), as GPT-2's Conv1D")
     args = parser.parse_args()
-    shapes = bench._parse_shapes(args.shapes) if args.shapes else (conv1d_shapes() if args.conv1d
+    shapes = bench.parse_shapes(args.shapes) if args.shapes else (conv1d_shapes() if args.conv1d
                                                                       else default_shapes())
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
     bench.warm_up()

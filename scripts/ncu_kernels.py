@@ -33,7 +33,7 @@ def operands(M: int, K: int, N: int, r: int):
 
 def decode_shapes(shapes: str, mode: int = 0, split: int = 0) -> None:
     C = custom_ops.extension()
-    for M, K, N, r in bench._parse_shapes(shapes):
+    for M, K, N, r in bench.parse_shapes(shapes):
         x, W, b, V, c, U = operands(M, K, N, r)
         C.linear_forward(x, W, b, V, c, U, 1.0, mode, split, False)
         F.linear(x, W, b)

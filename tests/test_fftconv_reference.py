@@ -240,18 +240,3 @@ def test_spectrum_cache_reuses_while_k_is_unchanged(monkeypatch):
     with torch.inference_mode():
         assert not dispatch.SpectrumCache.applies(u, torch.ones(3, 4))
 
-
-@pytest.mark.parametrize("shapes", ["8x768", "8x768x0", "1x2x3,axbxc"])
-def test_benchmark_refuses_a_malformed_shape(shapes, capsys):
-    from bem.kernels.fftconv import bench
-
-    with pytest.raises(SystemExit) as exit_info:
-        bench.main(["--shapes", shapes])
-    assert exit_info.value.code == 2
-    assert "a shape is BxHxL with positive integers" in capsys.readouterr().err
-
-
-def test_benchmark_shapes_parse():
-    from bem.kernels.fftconv import bench
-
-    assert bench._shapes("1x768x1048576, 8x864x3000") == [(1, 768, 1048576), (8, 864, 3000)]

@@ -366,12 +366,24 @@ def test_training_takes_the_fused_ops_unless_bem_fused_training_is_0(value, uses
     assert out.stdout.strip() == str(uses_reference)
 
 
-@pytest.mark.parametrize("shapes", ["1x4096x4096", "1x4096x4096x0", "1xax2x3"])
-def test_kernel_benchmark_refuses_a_malformed_shape(shapes, capsys):
-    from bem.kernels import bench
+
+@pytest.mark.parametrize("module,form,shapes", [
+    ("bem.kernels.bench", "MxKxNxR", "1x4096x4096"), ("bem.kernels.bench", "MxKxNxR", "1x4096x4096x0"),
+    ("bem.kernels.bench", "MxKxNxR", "1xax2x3"), ("bem.kernels.fftconv.bench", "BxHxL", "8x768"),
+    ("bem.kernels.fftconv.bench", "BxHxL", "8x768x0"), ("bem.kernels.fftconv.bench", "BxHxL", "1x2x3,axbxc"),
+])
+def test_benchmarks_refuse_a_malformed_shape(module, form, shapes, capsys):
+    import importlib
 
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(["--shapes", shapes])
+        importlib.import_module(module).main(["--shapes", shapes])
     assert exit_info.value.code == 2
-    assert "a shape is MxKxNxR with positive integers" in capsys.readouterr().err
+    assert f"a shape is {form} with positive integers" in capsys.readouterr().err
+
+
+def test_benchmark_shapes_parse():
+    from bem.kernels import bench
+    from bem.kernels.fftconv import bench as fftconv_bench
+
     assert bench.parse_shapes("1x4096x4096x8, 16x2048x8192x32") == [(1, 4096, 4096, 8), (16, 2048, 8192, 32)]
+    assert fftconv_bench._shapes("1x768x1048576, 8x864x3000") == [(1, 768, 1048576), (8, 864, 3000)]

@@ -250,10 +250,6 @@ def parse_shapes(text: str, form: str = "MxKxNxR") -> list[tuple[int, ...]]:
     return shapes
 
 
-def _parse_shapes(text: str) -> list[tuple[int, ...]]:
-    return parse_shapes(text, "MxKxNxR")
-
-
 def main(argv: list[str] | None = None) -> None:
     import sys
 
@@ -266,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
             return import_module(f"bem.kernels.{family}.bench").main(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a handful of shapes")
-    parser.add_argument("--shapes", type=_parse_shapes, help="comma-separated MxKxNxR, e.g. 1x4096x4096x8,16384x4096x4096x32")
+    parser.add_argument("--shapes", type=parse_shapes, help="comma-separated MxKxNxR, e.g. 1x4096x4096x8,16384x4096x4096x32")
     parser.add_argument("--json", help="write every number to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or not ops.KERNELS_AVAILABLE:

@@ -1,6 +1,6 @@
 """The fftconv kernels against float64 references: the forward and the backward (block kernels up to L = 16384,
-above it the four-step forward up to 2^20 and cuFFT with the element-wise kernels for the rest), the decoding step, torch.compile and CUDA graphs, and the
-argument checks of the bindings. The kernels' error is bounded by twice that of the PyTorch rfft path in the
+the four-step form up to 2^20, cuFFT with the element-wise kernels above), the decoding step, torch.compile and
+CUDA graphs, and the argument checks of the bindings. The kernels' error is bounded by twice that of the PyTorch rfft path in the
 same dtype (kernel_helpers.bound); outputs are poisoned before each run; NaN never passes."""
 
 from __future__ import annotations

@@ -105,9 +105,9 @@ def fftconv_op(u: Tensor, k: Tensor, D: Optional[Tensor], pregate: Optional[Tens
 
 @fftconv_op.register_fake
 def _(u, k, D, pregate, postgate, gelu, spectrum):
-    kept = spectrum is None and spectrum_length(u.shape[-1]) <= MAX_KEPT_SPECTRUM
-    return torch.empty_like(u), k.new_empty((k.shape[0], spectrum_length(u.shape[-1]) + 1) if kept else (0,),
-                                            dtype=torch.complex64)
+    M = spectrum_length(u.shape[-1])
+    kept = spectrum is None and M <= MAX_KEPT_SPECTRUM
+    return torch.empty_like(u), k.new_empty((k.shape[0], M + 1) if kept else (0,), dtype=torch.complex64)
 
 
 def fftconv(u: Tensor, k: Tensor, D: Optional[Tensor], pregate: Optional[Tensor], postgate: Optional[Tensor],
