@@ -13,6 +13,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
+from bem.training.optim import fused_on_cuda
+
 
 @dataclass(frozen=True)
 class Setup:
@@ -38,9 +40,10 @@ def set_trainable_dtype(model: nn.Module, dtype: torch.dtype) -> None:
 
 def training_step(model: nn.Module, batches: list[torch.Tensor], setup: Setup, learning_rate: float,
                   device: torch.device) -> tuple[Callable[[int], None], torch.optim.Optimizer]:
-    """One forward + backward + AdamW step per call, on batch `index % len(batches)`."""
+    """One forward + backward + AdamW step per call, on batch `index % len(batches)`. AdamW is fused on CUDA, as
+    `bem.training` and transformers' Trainer (its default `adamw_torch_fused`) make it, for both variants."""
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=learning_rate)
+    optimizer = torch.optim.AdamW(params, lr=learning_rate, **fused_on_cuda(params))
 
     def step(index: int) -> None:
         ids = batches[index % len(batches)]

@@ -3,9 +3,13 @@
     python scripts/train_breakdown.py --config configs/profile_smollm_135m.yaml --setup bf16
 
 Per variant: each step's synchronised wall time and the host's time to issue it (forward, backward,
-optimizer) over --steps steps, interleaved with the other variant; then a profiler trace of three steps:
+optimizer) over --steps steps, interleaved with the other variants; then a profiler trace of three steps:
 the device's busy time per step, host-device synchronisations, and the top kernels and ops by device time.
-`--gradient-checkpointing`, `--batch-size` and `--seq-len` as in benchmarks/train_throughput.py."""
+The frozen base is timed beside them as the profiler's training setting times it (forward and backward to the
+input embeddings, no optimizer). The optimizer is AdamW, fused on CUDA as `bem.training.optim` and transformers'
+Trainer make it. `--sample`: also the host's Python stacks over --steps more steps per variant
+(scripts/stack_sampler.py). `--gradient-checkpointing`, `--batch-size` and `--seq-len` as in
+benchmarks/train_throughput.py."""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parent.parent
-for folder in (ROOT, ROOT / "benchmarks"):
+for folder in (ROOT, ROOT / "benchmarks", ROOT / "scripts"):
     sys.path.insert(0, str(folder))
 
 from train_setups import SETUPS, set_trainable_dtype  # noqa: E402
@@ -28,6 +32,8 @@ from train_setups import SETUPS, set_trainable_dtype  # noqa: E402
 from bem.profiling.config import load_profile_config  # noqa: E402
 from bem.profiling.models import build_variants, load_base_model, vocab_size  # noqa: E402
 from bem.profiling.timing import warm_up_gpu  # noqa: E402
+from bem.training.optim import fused_on_cuda  # noqa: E402
+from stack_sampler import StackSampler  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -39,24 +45,31 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int)
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--top", type=int, default=18)
+    parser.add_argument("--sample", action="store_true", help="also sample the host's Python stacks")
     return parser.parse_args()
 
 
-def make_step(model, ids, setup, lr):
+def make_step(model, ids, setup, lr, frozen_base=False):
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr)
+    optimizer = None if frozen_base else torch.optim.AdamW(params, lr=lr, **fused_on_cuda(params))
     mask = torch.ones_like(ids)
+    embeddings = model.get_input_embeddings()
 
     def step() -> tuple[float, float, float]:
         """(forward issue ms, backward issue ms, optimizer issue ms): host time, no sync inside."""
         t0 = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=setup.autocast):
-            loss = model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss
+            if frozen_base:
+                embeds = embeddings(ids).detach().requires_grad_(True)
+                loss = model(inputs_embeds=embeds, attention_mask=mask, labels=ids, use_cache=False).loss
+            else:
+                loss = model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
         return (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3
 
@@ -109,12 +122,12 @@ def main() -> None:
     length = args.seq_len or config.train.sequence_length
     ids = torch.randint(3, vocab_size(base), (batch, length), device=device)
     variants = build_variants(base, config.bem_config(), with_lora=True)
-    models = {"bem": variants.bem, "lora": variants.lora}
+    models = {"base": base, "bem": variants.bem, "lora": variants.lora}
     steps = {}
     for name, model in models.items():
         set_trainable_dtype(model, setup.adapter_dtype)
         model.train()
-        steps[name] = make_step(model, ids, setup, config.train.learning_rate)
+        steps[name] = make_step(model, ids, setup, config.train.learning_rate, frozen_base=name == "base")
     for _ in range(3):
         for step in steps.values():
             timed(step)
@@ -133,6 +146,13 @@ def main() -> None:
               f"optimizer {issue[2]:.2f}")
     for name, step in steps.items():
         trace(step, args.top, name)
+    if args.sample:
+        for name, step in steps.items():
+            with StackSampler() as sampler:
+                for _ in range(args.steps):
+                    step()
+                torch.cuda.synchronize()
+            sampler.report(args.top, name)
 
 
 if __name__ == "__main__":

@@ -354,6 +354,21 @@ def test_prefill_dx_path_names_the_choices_and_restores_the_default():
     assert custom_ops._PREFILL_DX_PATH is None
 
 
+def test_prefill_dx_path_is_set_in_the_extension_which_the_eager_backward_reads(monkeypatch):
+    """The C++ autograd function's backward reads the forced path from the extension: the context sets it there
+    (-1 by rule, 0 update, 1 GEMM) and restores it, nested too."""
+    from types import SimpleNamespace
+
+    from bem.kernels import custom_ops
+
+    seen = []
+    monkeypatch.setattr(custom_ops, "_C", SimpleNamespace(set_prefill_dx_path=seen.append))
+    with custom_ops.prefill_dx_path("gemm"):
+        with custom_ops.prefill_dx_path("update"):
+            pass
+    assert seen == [1, 0, 1, -1]
+
+
 @pytest.mark.parametrize("value,uses_reference", [(None, False), ("1", False), ("0", True)])
 def test_training_takes_the_fused_ops_unless_bem_fused_training_is_0(value, uses_reference):
     import os

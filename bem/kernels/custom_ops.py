@@ -163,31 +163,31 @@ PREFILL_DX_PATHS = ("update", "gemm")
 def prefill_dx_path(path: Optional[str]) -> Iterator[None]:
     """Force how the prefill backward computes dX, for tests and benchmarks: "update" (the update kernels
     on dY, then cuBLAS adds dY W), "gemm" (the fused GEMM given s (dY U) ⊙ codes, which must take the
-    operands) or None (by shape)."""
+    operands) or None (by shape). The choice is the extension's (read by the backward, in C++ under eager
+    autograd), set here where the extension is loaded."""
     global _PREFILL_DX_PATH
     if path is not None and path not in PREFILL_DX_PATHS:
         raise ValueError(f"prefill dX path must be one of {PREFILL_DX_PATHS} or None, got {path!r}")
     before, _PREFILL_DX_PATH = _PREFILL_DX_PATH, path
+    _set_extension_dx_path(path)
     try:
         yield
     finally:
         _PREFILL_DX_PATH = before
+        _set_extension_dx_path(before)
+
+
+def _set_extension_dx_path(path: Optional[str]) -> None:
+    found = extension()
+    if found is not None:
+        found.set_prefill_dx_path(-1 if path is None else PREFILL_DX_PATHS.index(path))
 
 
 def _dx_in_gemm(grad_y: Tensor, weight: Tensor, V: Tensor) -> bool:
     """Whether dX = dY W + s (G ⊙ c) V^T comes from the fused GEMM (`gemm_update_given`, W read transposed):
-    where the extension's measured rule says so, unless forced."""
-    if _PREFILL_DX_PATH == "update":
-        return False
-    if _PREFILL_DX_PATH is None:
-        return _extension().backward_dx_in_gemm(grad_y, weight.t(), V)
-    if not _extension().gemm_update_given_takes(grad_y, weight.t(), V):
-        raise ValueError(
-            "the fused GEMM does not take this backward's operands (it needs an sm_90a build on a compute "
-            "capability 9.0 GPU, float16/bfloat16, a row-major weight, K, N and the rank multiples of 8, "
-            f"rank up to 64); got dY {tuple(grad_y.shape)} {grad_y.dtype}, weight {tuple(weight.shape)} "
-            f"strides {weight.stride()}, V {tuple(V.shape)}")
-    return True
+    where the extension's measured rule says so, unless forced (the extension refuses, with ValueError, a forced
+    GEMM that cannot take the operands). The eager autograd function's backward makes the same call in C++."""
+    return _extension().prefill_dx_in_gemm(grad_y, weight.t(), V)
 
 
 @torch.library.custom_op("bem::prefill_backward", mutates_args=())
@@ -202,17 +202,16 @@ def prefill_backward(
     return _prefill_backward_now(x, grad_y, weight, V, U, P, codes, scaling)
 
 
-def _prefill_backward_now(x, grad_y, weight, V, U, P, codes, scaling, need_v=True, need_u=True):
+def _prefill_backward_now(x, grad_y, weight, V, U, P, codes, scaling):
     """The prefill backward's work: one extension call for float16/bfloat16; for float32/float64 (which the
     coefficient kernel and the fused GEMM do not take) the update kernels on dY, cuBLAS, and PyTorch's
-    coefficients. dV and dU are None where not asked for."""
+    coefficients."""
     in_gemm = _dx_in_gemm(grad_y, weight, V)
     if x.dtype in (torch.float16, torch.bfloat16):
-        return tuple(_extension().prefill_backward(x, grad_y, weight, V, U, P, codes, scaling, in_gemm, need_v,
-                                                   need_u))
+        return tuple(_extension().prefill_backward(x, grad_y, weight, V, U, P, codes, scaling, in_gemm))
     dx, G = _extension().update_forward(grad_y, U, codes, V, scaling)
     dx.addmm_(grad_y, weight)
-    dv, dcodes, du = _grads_from_g(x, grad_y, G, _kept_or_projected(P, x, V), codes, scaling, need_v, need_u)
+    dv, dcodes, du = _grads_from_g(x, grad_y, G, _kept_or_projected(P, x, V), codes, scaling, True, True)
     return dx, dv, dcodes, du
 
 
@@ -235,22 +234,17 @@ def _decode_sized(grad_y: Tensor) -> bool:
     return grad_y.is_cuda and half and 1 <= grad_y.shape[0] <= decode_max_tokens()
 
 
-def _decode_backward(grad_y, x, V, codes, U, P, scaling, weight, needs, direct=False):
-    """The backward at decode sizes: cuBLAS dY W, and beside it two small kernels for the rest. `direct`
-    (eager autograd only): the extension is called as it is, without the op's dispatch."""
+def _decode_backward(grad_y, x, V, codes, U, P, scaling, weight, needs):
+    """The backward at decode sizes: cuBLAS dY W, and beside it two small kernels for the rest."""
     need_x, need_v, need_codes, need_u = needs
-    op = _extension().decode_backward if direct else decode_backward
-    dx, dv, dcodes, du = op(x, grad_y, weight if need_x else None, V, U, P, codes, scaling)
+    dx, dv, dcodes, du = decode_backward(x, grad_y, weight if need_x else None, V, U, P, codes, scaling)
     return dx if need_x else None, dv if need_v else None, dcodes if need_codes else None, du if need_u else None
 
 
-def _prefill_backward(grad_y, x, V, codes, U, P, scaling, weight, needs, direct=False):
-    """The BEM linear's backward above decode sizes, dX asked for; `direct` as above."""
+def _prefill_backward(grad_y, x, V, codes, U, P, scaling, weight, needs):
+    """The BEM linear's backward above decode sizes, dX asked for."""
     need_x, need_v, need_codes, need_u = needs
-    if direct:
-        dx, dv, dcodes, du = _prefill_backward_now(x, grad_y, weight, V, U, P, codes, scaling, need_v, need_u)
-    else:
-        dx, dv, dcodes, du = prefill_backward(x, grad_y, weight, V, U, P, codes, scaling)
+    dx, dv, dcodes, du = prefill_backward(x, grad_y, weight, V, U, P, codes, scaling)
     return dx, dv if need_v else None, dcodes if need_codes else None, du if need_u else None
 
 
@@ -264,18 +258,17 @@ def lowrank_backward(
     scaling: float,
     weight: Optional[Tensor],
     needs: tuple[bool, bool, bool, bool],
-    direct: bool = False,
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """(dX, dV, dcodes, dU) for the update (plus dY W when `weight` is given); `needs` in that order. P: x V as
-    the forward gave it, or None (recomputed from x and V). `direct`:
-    the backward of eager autograd (`eager_linear`), which calls the extension without the ops' dispatch; the
-    ops' own autograd formulas, which torch.compile traces, never pass it."""
+    the forward gave it, or None (recomputed from x and V). The custom ops' autograd formulas, which
+    torch.compile traces; eager autograd takes the extension's own function (`_C.fused_linear`), whose C++
+    backward makes the same choices."""
     need_x, need_v, need_codes, need_u = needs
     grad_y = grad_y.contiguous()
     if _decode_sized(grad_y):
-        return _decode_backward(grad_y, x, V, codes, U, P, scaling, weight, needs, direct)
+        return _decode_backward(grad_y, x, V, codes, U, P, scaling, weight, needs)
     if need_x and weight is not None:
-        return _prefill_backward(grad_y, x, V, codes, U, P, scaling, weight, needs, direct)
+        return _prefill_backward(grad_y, x, V, codes, U, P, scaling, weight, needs)
     # dX = s (G ⊙ c) V^T has the forward's form with U and V in the roles of V and U: the forward's
     # dispatch gives dX and G = dY U together.
     P = _kept_or_projected(P, x, V)

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from . import custom_ops, eager_linear, reference
+from . import custom_ops, reference
 
 
 # Whether the CUDA extension `bem._C` (prebuilt or just-in-time) loaded: None until first looked up, which may
@@ -160,7 +160,8 @@ def _inference_call(x: torch.Tensor, V: torch.Tensor) -> bool:
 
 
 def _eager_autograd_call(x: torch.Tensor, V: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
-    """True when autograd can run the fused linear straight on the extension (`eager_linear.FusedLinear`):
+    """True when autograd can run the fused linear straight on the extension's autograd function
+    (`_C.fused_linear`, its backward in C++):
     no tracing, no autocast, a non-empty float16/bfloat16 input on CUDA, a frozen weight and bias, and the
     fused training path not opted out of (BEM_FUSED_TRAINING=0) at this size. The extension refuses, with
     ValueError, any operand it does not take as it is; the checked path below then copies, casts or explains."""
@@ -237,7 +238,7 @@ def bem_linear(
             return y
     if use_fused and _eager_autograd_call(x, V, weight, bias):
         try:
-            return eager_linear.FusedLinear.apply(x, weight, bias, V, codes, U, float(scaling))
+            return custom_ops._C.fused_linear(x, weight, bias, V, codes, U, float(scaling))
         except ValueError:
             pass  # as above
     autocast_dtype = _autocast_dtype(x) if use_fused else None

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.nn as nn
 
+from ..training.optim import fused_on_cuda
 from .timing import Workload
 
 INPUT_SETS = 3  # distinct input batches rotated across repeats
@@ -72,10 +73,12 @@ def training_step(model: nn.Module, batches: list[torch.Tensor], learning_rate: 
     """Forward + backward + AdamW step on the trainable parameters.
 
     The frozen base has nothing to train; its step is forward + backward with the gradient flowing to
-    the input embeddings, the least any adapter's training step must do.
+    the input embeddings, the least any adapter's training step must do. AdamW is fused on CUDA, as
+    `bem.training` and transformers' Trainer (its default `adamw_torch_fused`) make it.
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=learning_rate) if params and not frozen_base else None
+    optimizer = (torch.optim.AdamW(params, lr=learning_rate, **fused_on_cuda(params))
+                 if params and not frozen_base else None)
     embeddings = model.get_input_embeddings()
 
     def run(index: int) -> None:

@@ -62,7 +62,9 @@ WANTS = {"all": (True, True, True, True), "no_x": (False, True, True, True),
 
 def _check_gradients(op, M, K, N, r, dtype, needs, scale, seed, path_name, calls):
     """Gradients of the fused op (leaves x, V, codes, U as `needs` asks) against float64 and PyTorch in
-    the same dtype; `calls` must have been filled by the path under test."""
+    the same dtype; `calls` must have been filled by the path under test. Where eager autograd runs the linear
+    through the extension's C++ autograd function (which calls no Python, so fills no `calls`), its gradients are
+    checked, then the custom op's autograd formula's, whose Python path the caller watches."""
     x, W, b, V, c, U = operands(M, K, N, r, dtype, codes=True, seed=seed)
     if op == "linear_conv1d":
         W = W.t().contiguous().t()  # GPT-2 Conv1D: the transposed view of a (K, N) buffer
@@ -79,14 +81,19 @@ def _check_gradients(op, M, K, N, r, dtype, needs, scale, seed, path_name, calls
     ref = _grads(make(reference, W.double(), b.double()), ref_leaves, dy.double())
     torch_grads = _grads(make(reference, W, b), leaves, dy)
     poison_allocator(x.device, (M + K + N) * r + M * max(K, N))
-    kernel_grads = _grads(make(ops, W, b), leaves, dy)
+    kernel_grads = [_grads(make(ops, W, b), leaves, dy)]
+    if not calls and op != "update":  # eager autograd took the extension's C++ function (ranks up to its maximum)
+        poison_allocator(x.device, (M + K + N) * r + M * max(K, N))
+        through_op = lambda x, V, c, U: custom_ops.fused_bem_linear(x, W, b, V, c, U, scale)[0]  # noqa: E731
+        kernel_grads.append(_grads(through_op, leaves, dy))
     assert calls, f"the {path_name} backward did not run"
-    for name, want, k, t, r64 in zip(("x", "V", "codes", "U"), wants, kernel_grads, torch_grads, ref):
-        if not want:
-            assert k is None, f"d{name} computed though not asked for"
-            continue
-        torch_err = rel_err(t, r64)
-        assert rel_err(k, r64) <= bound(torch_err, dtype), f"d{name}: {rel_err(k, r64):.3g} vs torch {torch_err:.3g}"
+    for grads in kernel_grads:
+        for name, want, k, t, r64 in zip(("x", "V", "codes", "U"), wants, grads, torch_grads, ref):
+            if not want:
+                assert k is None, f"d{name} computed though not asked for"
+                continue
+            torch_err = rel_err(t, r64)
+            assert rel_err(k, r64) <= bound(torch_err, dtype), f"d{name}: {rel_err(k, r64):.3g} vs torch {torch_err:.3g}"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -107,8 +114,31 @@ def test_decode_backward_is_not_taken_above_decode_sizes(monkeypatch):
     monkeypatch.setattr(custom_ops, "_decode_backward", lambda *a: calls.append(1))
     x, W, b, V, c, U = operands(65, 64, 32, 8, torch.bfloat16, codes=True, seed=3)
     V.requires_grad_()
-    ops.bem_linear(x, W, b, V, c, U, 1.0).float().sum().backward()
+    custom_ops.fused_bem_linear(x, W, b, V, c, U, 1.0)[0].float().sum().backward()
     assert not calls and V.grad is not None
+
+
+def _backward_kernels(M, x_grad):
+    """Names of the CUDA kernels an eager backward of the fused linear at M rows ran (the C++ autograd function)."""
+    x, W, b, V, c, U = operands(M, 64, 32, 8, torch.bfloat16, codes=True, seed=M)
+    leaves = [x.requires_grad_(x_grad), V.requires_grad_(), c.requires_grad_(), U.requires_grad_()]
+    y = ops.bem_linear(leaves[0], W, b, *leaves[1:], 1.0)
+    assert "FusedLinearFunction" in y.grad_fn.name(), y.grad_fn.name()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        y.float().sum().backward()
+        torch.cuda.synchronize()
+    return {e.key for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA}
+
+
+@pytest.mark.parametrize("x_grad", [True, False])
+def test_eager_backward_takes_the_decode_kernels_up_to_64_rows(x_grad):
+    """The C++ backward's choice, seen in the kernels it ran: the decode-size kernels (grads_u_kernel and
+    grads_v_kernel, csrc/lowrank_grads.cu) at 64 rows, not at 65."""
+    def decode_ran(names):
+        return any("grads_u_kernel" in name for name in names) and any("grads_v_kernel" in name for name in names)
+
+    assert decode_ran(_backward_kernels(64, x_grad))
+    assert not decode_ran(_backward_kernels(65, x_grad))
 
 
 @pytest.mark.parametrize("M", [4, 300])
@@ -240,26 +270,33 @@ def test_default_prefill_dx_is_bit_equal_to_the_chosen_path(M, r, expected):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("lead,K,N,r", [((3, 100), 256, 200, 8), ((2, 700), 520, 392, 16), ((5, 8), 136, 264, 13)])
-@pytest.mark.parametrize("needs", ["all", "no_x", "no_codes"])
-def test_eager_autograd_calls_the_extension_directly_with_the_custom_ops_numbers(dtype, lead, K, N, r, needs):
-    """Eager autograd on (batch, sequence, K) inputs takes `eager_linear.FusedLinear` (not the custom op's dispatch)
-    and gives the custom op's gradients: the same kernels, up to one rounding where cuBLAS may pick another
-    algorithm on another stream."""
+@pytest.mark.parametrize("needs", ["all", "no_x", "no_codes", "only_u"])
+@pytest.mark.parametrize("given", ["bias and codes", "no bias", "no codes"])
+def test_eager_autograd_calls_the_extension_directly_with_the_custom_ops_numbers(dtype, lead, K, N, r, needs, given):
+    """Eager autograd on (batch, sequence, K) inputs takes the extension's C++ autograd function (not the custom
+    op's dispatch) and gives the custom op's gradients: the same kernels, up to one rounding where cuBLAS may pick
+    another algorithm on another stream. Without x's gradient ("no_x", "only_u") at 300 and 1400 rows, the C++
+    backward's own path (x V, dY U, the coefficients, two GEMMs). With and without a bias and codes, which move
+    the other operands' places among the function's inputs."""
     M = lead[0] * lead[1]
-    x, W, b, V, c, U = operands(M, K, N, r, dtype, codes=True, seed=stable_seed(dtype, lead, K, N, r, needs), lead=lead)
+    x, W, b, V, c, U = operands(M, K, N, r, dtype, codes=given != "no codes",
+                                seed=stable_seed(dtype, lead, K, N, r, needs, given), lead=lead)
+    b = None if given == "no bias" else b
     wants = WANTS[needs]
     dy = torch.randn(*lead, N, device="cuda", generator=torch.Generator(device="cuda").manual_seed(M)).to(dtype)
-    leaves = [t.detach().requires_grad_(want) for t, want in zip((x, V, c, U), wants)]
+    leaves = [None if t is None else t.detach().requires_grad_(want) for t, want in zip((x, V, c, U), wants)]
+    graded = [t for t in leaves if t is not None and t.requires_grad]
     poison_allocator(x.device, (M + K + N) * r + M * max(K, N))
     y = ops.bem_linear(leaves[0], W, b, leaves[1], leaves[2], leaves[3], 0.6)
-    assert type(y.grad_fn).__name__ == "FusedLinearBackward"
-    eager = torch.autograd.grad(y, [t for t in leaves if t.requires_grad], dy)
-    flat = [(t.detach().reshape(M, t.shape[-1]) if t.dim() == 3 else t.detach()).requires_grad_(t.requires_grad)
+    assert "FusedLinearFunction" in y.grad_fn.name(), y.grad_fn.name()
+    eager = torch.autograd.grad(y, graded, dy)
+    flat = [None if t is None else
+            (t.detach().reshape(M, t.shape[-1]) if t.dim() == 3 else t.detach()).requires_grad_(t.requires_grad)
             for t in leaves]
     y_op, _ = custom_ops.fused_bem_linear(flat[0], W, b, flat[1], flat[2], flat[3], 0.6)
     assert torch.equal(y.reshape(M, N), y_op)
-    through_op = torch.autograd.grad(y_op, [t for t in flat if t.requires_grad], dy.reshape(M, N))
-    for got, want, leaf in zip(eager, through_op, [t for t in leaves if t.requires_grad]):
+    through_op = torch.autograd.grad(y_op, [t for t in flat if t is not None and t.requires_grad], dy.reshape(M, N))
+    for got, want, leaf in zip(eager, through_op, graded):
         assert got.shape == leaf.shape
         assert rel_err(got.reshape(want.shape), want.double()) <= torch.finfo(dtype).eps
 
@@ -276,7 +313,7 @@ def test_autograd_keeps_x_and_the_codes_but_no_float32_x_v(path, M):
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         if path == "eager":
             y = ops.bem_linear(leaves[0], W, b, *leaves[1:], 0.6)
-            assert type(y.grad_fn).__name__ == "FusedLinearBackward"
+            assert "FusedLinearFunction" in y.grad_fn.name(), y.grad_fn.name()
         else:
             flat = [t.reshape(M, t.shape[-1]) if t.dim() == 3 else t for t in leaves]
             y, _ = custom_ops.fused_bem_linear(flat[0], W, b, flat[1], flat[2], flat[3], 0.6)

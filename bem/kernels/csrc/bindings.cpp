@@ -1,6 +1,6 @@
 // Torch bindings of the BEM kernels: the forward's choice between the decode kernels and the GEMM +
 // update paths, and allocation; the module bem._C (the backward's own ops are in backward_ops.cpp, the
-// GEMM with the update inside in gemm_update_ops.cpp).
+// GEMM with the update inside in gemm_update_ops.cpp, the eager autograd function in linear_autograd.cpp).
 #include <torch/extension.h>
 
 #include <c10/cuda/CUDAException.h>
@@ -21,6 +21,7 @@
 namespace bem {
 // Each further op family binds its functions from its own file (fftconv_bindings.cpp, mlstm_bindings.cpp).
 void bind_fftconv(pybind11::module_& m);
+void bind_linear_autograd(pybind11::module_& m);
 void bind_mlstm(pybind11::module_& m);
 
 namespace {
@@ -372,6 +373,8 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
   return {Y, P};
 }
 
+}  // namespace
+
 // x (..., K) and codes (..., r) with the same leading dimensions are taken as rows; Y comes back as
 // (..., N), P as (rows, r). Inference passes a model's (batch, sequence, K) activations as they are:
 // flattening here instead of in Python saves a few microseconds of host time per call at decode sizes.
@@ -399,6 +402,8 @@ std::tuple<Tensor, Tensor> linear_forward(const Tensor& x, const Tensor& weight,
   shape.back() = Y.size(1);
   return {Y.view(shape), P};
 }
+
+namespace {
 
 // Whether this build and the current device run the GEMM with the update inside (linear mode 6).
 bool fused_gemm_available() {
@@ -446,5 +451,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("DECODE_AUTO_MAX_TOKENS") = bem::kDecodeAutoMaxTokens;
   m.attr("MAX_FUSED_RANK") = bem::kMaxFusedRank;
   bem::bind_fftconv(m);
+  bem::bind_linear_autograd(m);
   bem::bind_mlstm(m);
 }

@@ -5,6 +5,9 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <atomic>
+#include <string>
+
 #include "device_info.h"
 #include "launchers.h"
 #include "projection.h"
@@ -178,6 +181,37 @@ bool backward_dx_in_gemm(const Tensor& grad_y, const Tensor& weight_t, const Ten
   if (M >= kDxGemmMinRows && M <= kDxGemmMaxRows && r >= kDxGemmMinRank) return true;
   const bool filled = gemm_update_tiles((int)M, (int)K, 128) >= num_sms(grad_y.get_device());
   return K * N <= kDxGemmSmallKN && (r >= kDxGemmMinRank || filled);
+}
+
+namespace {
+
+// The prefill backward's dX path as forced by custom_ops.prefill_dx_path: -1 none, 0 update, 1 GEMM. Atomic: the
+// autograd engine's device thread reads what the Python thread set.
+std::atomic<int> forced_dx_path{-1};
+
+// A shape as Python writes a tuple, for messages about the operands a Python call gave.
+std::string shape_text(c10::IntArrayRef sizes) {
+  std::string text = "(";
+  for (size_t i = 0; i < sizes.size(); ++i) text += std::to_string(sizes[i]) + (i + 1 < sizes.size() ? ", " : "");
+  return text + (sizes.size() == 1 ? ",)" : ")");
+}
+
+}  // namespace
+
+void set_prefill_dx_path(int64_t path) {
+  BEM_CHECK(path >= -1 && path <= 1, "the prefill dX path must be -1 (by rule), 0 (update) or 1 (GEMM), got ", path);
+  forced_dx_path.store(static_cast<int>(path));
+}
+
+bool prefill_dx_in_gemm(const Tensor& grad_y, const Tensor& weight_t, const Tensor& V) {
+  const int path = forced_dx_path.load();
+  if (path < 0) return backward_dx_in_gemm(grad_y, weight_t, V);
+  BEM_CHECK(path == 0 || gemm_update_given_takes(grad_y, weight_t, V),
+            "the fused GEMM does not take this backward's operands (it needs an sm_90a build on a compute capability "
+            "9.0 GPU, float16/bfloat16, a row-major weight, K, N and the rank multiples of 8, rank up to 64); got dY ",
+            shape_text(grad_y.sizes()), " ", grad_y.scalar_type(), ", weight ", shape_text(weight_t.t().sizes()),
+            " strides ", shape_text(weight_t.t().strides()), ", V ", shape_text(V.sizes()));
+  return path == 1;
 }
 
 Tensor gemm_update_given(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& Pc,

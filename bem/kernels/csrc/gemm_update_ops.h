@@ -43,5 +43,10 @@ bool gemm_update_given_takes(const at::Tensor& x, const at::Tensor& weight, cons
 // it takes the operands and measured faster than the update kernels on dY with cuBLAS adding dY W.
 // grad_y: (M, N), weight_t: W^T (K, N), V: (K, r).
 bool backward_dx_in_gemm(const at::Tensor& grad_y, const at::Tensor& weight_t, const at::Tensor& V);
+// The same choice as the backward makes it: forced by set_prefill_dx_path (a forced GEMM refused, with
+// ValueError, where it cannot take the operands), or by the rule above.
+bool prefill_dx_in_gemm(const at::Tensor& grad_y, const at::Tensor& weight_t, const at::Tensor& V);
+// path: -1 by the rule, 0 the update kernels on dY with cuBLAS adding dY W, 1 the fused GEMM.
+void set_prefill_dx_path(int64_t path);
 
 }  // namespace bem
