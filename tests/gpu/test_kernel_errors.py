@@ -233,6 +233,23 @@ def test_decode_backward_rejects(mutate, message):
         custom_ops._C.decode_backward(*args, 1.0)
 
 
+@pytest.mark.parametrize("trained", ["weight", "bias"])
+def test_eager_fused_linear_refuses_a_trainable_weight_or_bias(trained):
+    """The extension's autograd function gives W and b no gradient, so it refuses them trainable, by name; the
+    dispatch (`ops.bem_linear`) never hands it one and trains them through the checked path instead."""
+    x = torch.randn(4, 300, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    W = torch.randn(40, 64, device="cuda", dtype=torch.bfloat16, requires_grad=trained == "weight")
+    b = torch.randn(40, device="cuda", dtype=torch.bfloat16, requires_grad=trained == "bias")
+    V = torch.randn(64, 8, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    U = torch.randn(40, 8, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(ValueError, match="the weight and bias must not require grad"):
+        custom_ops._C.fused_linear(x, W, b, V, None, U, 1.0)
+    y = ops.bem_linear(x, W, b, V, None, U, 1.0)
+    assert "FusedLinearFunction" not in y.grad_fn.name()
+    y.float().sum().backward()
+    assert (W.grad if trained == "weight" else b.grad) is not None
+
+
 def test_decode_backward_rejects_more_rows_than_decode_sizes_and_rank_over_128():
     with pytest.raises(ValueError, match=r"takes 1..64 rows, got M = 65"):
         custom_ops._C.decode_backward(*_grad_args(M=65), 1.0)

@@ -48,6 +48,9 @@ class FusedLinearFunction : public torch::autograd::Function<FusedLinearFunction
  public:
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const OptTensor& bias,
                         const Tensor& V, const OptTensor& codes, const Tensor& U, double scale) {
+    // its backward gives no gradient to W or b: refused, not silently left without one
+    BEM_CHECK(!weight.requires_grad() && !(bias.has_value() && bias->requires_grad()),
+              "fused_linear trains V, U, x and the codes only; the weight and bias must not require grad");
     // mode 0 and split 0: by shape; no x V kept
     Tensor y = std::get<0>(linear_forward(x, weight, bias, V, codes, U, scale, 0, 0, false, c10::nullopt, 0));
     ctx->set_materialize_grads(false);
