@@ -198,14 +198,9 @@ def prefill_backward(
     """(dX, dV, dcodes, dU) of the BEM linear above decode sizes, in one extension call (backward_ops.cpp):
     dV and dU on a side stream beside dX. Where the fused GEMM takes the operands (and the measured rule
     says so): cuBLAS G = dY U, the coefficient kernel, then one GEMM gives dX = dY W + (s G ⊙ c) V^T.
-    Elsewhere the update kernels give dX's low-rank share and G in one pass over dY, and cuBLAS adds dY W."""
-    return _prefill_backward_now(x, grad_y, weight, V, U, P, codes, scaling)
-
-
-def _prefill_backward_now(x, grad_y, weight, V, U, P, codes, scaling):
-    """The prefill backward's work: one extension call for float16/bfloat16; for float32/float64 (which the
-    coefficient kernel and the fused GEMM do not take) the update kernels on dY, cuBLAS, and PyTorch's
-    coefficients."""
+    Elsewhere the update kernels give dX's low-rank share and G in one pass over dY, and cuBLAS adds dY W.
+    float32 and float64, which the coefficient kernel and the fused GEMM do not take: the update kernels on dY,
+    cuBLAS, and PyTorch's coefficients."""
     in_gemm = _dx_in_gemm(grad_y, weight, V)
     if x.dtype in (torch.float16, torch.bfloat16):
         return tuple(_extension().prefill_backward(x, grad_y, weight, V, U, P, codes, scaling, in_gemm))
