@@ -29,6 +29,7 @@ for folder in (ROOT, ROOT / "benchmarks", ROOT / "scripts"):
 
 from train_setups import SETUPS, set_trainable_dtype  # noqa: E402
 
+from bem.kernels import custom_ops  # noqa: E402
 from bem.profiling.config import load_profile_config  # noqa: E402
 from bem.profiling.models import build_variants, load_base_model, vocab_size  # noqa: E402
 from bem.profiling.timing import warm_up_gpu  # noqa: E402
@@ -46,6 +47,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--top", type=int, default=18)
     parser.add_argument("--sample", action="store_true", help="also sample the host's Python stacks")
+    parser.add_argument("--composed", action="store_true",
+                        help="also time BEM with the prefill backward's low-rank pieces composed (cuBLAS)")
     return parser.parse_args()
 
 
@@ -128,6 +131,14 @@ def main() -> None:
         set_trainable_dtype(model, setup.adapter_dtype)
         model.train()
         steps[name] = make_step(model, ids, setup, config.train.learning_rate, frozen_base=name == "base")
+    if args.composed:  # the same model and optimizer state, its backward's low-rank pieces through cuBLAS
+        fused_step = steps["bem"]
+
+        def composed_step():
+            with custom_ops.prefill_grads_path("composed"):
+                return fused_step()
+
+        steps["bem_composed"] = composed_step
     for _ in range(3):
         for step in steps.values():
             timed(step)
@@ -140,9 +151,9 @@ def main() -> None:
     for name, rows in results.items():
         walls = [w for w, _ in rows]
         issue = [statistics.median(i[k] for _, i in rows) for k in range(3)]
-        print(f"  {name:5s} wall ms: median {statistics.median(walls):7.2f}  min {min(walls):7.2f}  "
+        print(f"  {name:12s} wall ms: median {statistics.median(walls):7.2f}  min {min(walls):7.2f}  "
               f"max {max(walls):7.2f}  all {[round(w, 1) for w in walls]}")
-        print(f"  {name:5s} host issue ms (median): forward {issue[0]:.2f}  backward {issue[1]:.2f}  "
+        print(f"  {name:12s} host issue ms (median): forward {issue[0]:.2f}  backward {issue[1]:.2f}  "
               f"optimizer {issue[2]:.2f}")
     for name, step in steps.items():
         trace(step, args.top, name)

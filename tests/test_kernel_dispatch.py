@@ -340,32 +340,31 @@ def test_backward_ops_fake_shapes():
         assert [tuple(t.shape) for t in got] == [(3, 40), (40, 8), (3, 8), (24, 8)]
 
 
-def test_prefill_dx_path_names_the_choices_and_restores_the_default():
-    from bem.kernels import custom_ops
-
-    with pytest.raises(ValueError, match=r"prefill dX path must be one of \('update', 'gemm'\) or None, got 'cublas'"):
-        with custom_ops.prefill_dx_path("cublas"):
-            pass
-    with custom_ops.prefill_dx_path("update"):
-        assert custom_ops._PREFILL_DX_PATH == "update"
-        with custom_ops.prefill_dx_path("gemm"):
-            assert custom_ops._PREFILL_DX_PATH == "gemm"
-        assert custom_ops._PREFILL_DX_PATH == "update"
-    assert custom_ops._PREFILL_DX_PATH is None
-
-
-def test_prefill_dx_path_is_set_in_the_extension_which_the_eager_backward_reads(monkeypatch):
-    """The C++ autograd function's backward reads the forced path from the extension: the context sets it there
-    (-1 by rule, 0 update, 1 GEMM) and restores it, nested too."""
+@pytest.mark.parametrize("context,choices,setter", [
+    ("prefill_dx_path", ("update", "gemm"), "set_prefill_dx_path"),
+    ("prefill_grads_path", ("composed", "fused"), "set_prefill_grads_path"),
+])
+def test_forced_backward_paths_name_the_choices_and_are_set_in_the_extension_nested(context, choices, setter,
+                                                                                    monkeypatch):
+    """The C++ autograd function's backward reads a forced path from the extension: each context sets it there
+    (-1 by shape, then the choice's index), restores it on exit, nested too, and refuses a name it lacks."""
     from types import SimpleNamespace
 
     from bem.kernels import custom_ops
 
-    seen = []
-    monkeypatch.setattr(custom_ops, "_C", SimpleNamespace(set_prefill_dx_path=seen.append))
-    with custom_ops.prefill_dx_path("gemm"):
-        with custom_ops.prefill_dx_path("update"):
+    force = getattr(custom_ops, context)
+    with pytest.raises(ValueError, match=rf"must be one of \('{choices[0]}', '{choices[1]}'\) or None, got 'cublas'"):
+        with force("cublas"):
             pass
+    seen = []
+    monkeypatch.setattr(custom_ops, "_C", SimpleNamespace(**{setter: seen.append}))
+    forced = custom_ops.PREFILL_DX_PATH if context == "prefill_dx_path" else custom_ops.PREFILL_GRADS_PATH
+    with force(choices[1]):
+        assert forced.current == choices[1]
+        with force(choices[0]):
+            assert forced.current == choices[0]
+        assert forced.current == choices[1]
+    assert forced.current is None
     assert seen == [1, 0, 1, -1]
 
 

@@ -154,33 +154,49 @@ def _grads_from_g(
     return dv, dcodes, du
 
 
-# How the prefill backward computes dX (None: by shape, `_dx_in_gemm`); forced by `prefill_dx_path`.
-_PREFILL_DX_PATH: Optional[str] = None
-PREFILL_DX_PATHS = ("update", "gemm")
+class _ForcedPath:
+    """A backward path forced for tests and benchmarks (None: chosen by shape). The extension keeps the choice,
+    because the eager autograd function's C++ backward reads it there; `current` mirrors it on the Python side."""
+
+    def __init__(self, what: str, choices: tuple[str, ...], setter: str) -> None:
+        self.what, self.choices, self.setter = what, choices, setter
+        self.current: Optional[str] = None
+
+    @contextlib.contextmanager
+    def force(self, path: Optional[str]) -> Iterator[None]:
+        if path is not None and path not in self.choices:
+            raise ValueError(f"{self.what} must be one of {self.choices} or None, got {path!r}")
+        before, self.current = self.current, path
+        self._set_in_extension(path)
+        try:
+            yield
+        finally:
+            self.current = before
+            self._set_in_extension(before)
+
+    def _set_in_extension(self, path: Optional[str]) -> None:
+        found = extension()
+        if found is not None:
+            getattr(found, self.setter)(-1 if path is None else self.choices.index(path))
 
 
-@contextlib.contextmanager
-def prefill_dx_path(path: Optional[str]) -> Iterator[None]:
+PREFILL_DX_PATH = _ForcedPath("prefill dX path", ("update", "gemm"), "set_prefill_dx_path")
+PREFILL_GRADS_PATH = _ForcedPath("prefill gradients path", ("composed", "fused"), "set_prefill_grads_path")
+
+
+def prefill_dx_path(path: Optional[str]) -> contextlib.AbstractContextManager:
     """Force how the prefill backward computes dX, for tests and benchmarks: "update" (the update kernels
     on dY, then cuBLAS adds dY W), "gemm" (the fused GEMM given s (dY U) ⊙ codes, which must take the
-    operands) or None (by shape). The choice is the extension's (read by the backward, in C++ under eager
-    autograd), set here where the extension is loaded."""
-    global _PREFILL_DX_PATH
-    if path is not None and path not in PREFILL_DX_PATHS:
-        raise ValueError(f"prefill dX path must be one of {PREFILL_DX_PATHS} or None, got {path!r}")
-    before, _PREFILL_DX_PATH = _PREFILL_DX_PATH, path
-    _set_extension_dx_path(path)
-    try:
-        yield
-    finally:
-        _PREFILL_DX_PATH = before
-        _set_extension_dx_path(before)
+    operands) or None (by shape, `_dx_in_gemm`)."""
+    return PREFILL_DX_PATH.force(path)
 
 
-def _set_extension_dx_path(path: Optional[str]) -> None:
-    found = extension()
-    if found is not None:
-        found.set_prefill_dx_path(-1 if path is None else PREFILL_DX_PATHS.index(path))
+def prefill_grads_path(path: Optional[str]) -> contextlib.AbstractContextManager:
+    """Force how the prefill backward computes x V, dY U, the coefficients, dV and dU, for tests and benchmarks:
+    "composed" (cuBLAS projections, the coefficient kernel, cuBLAS GEMMs), "fused" (two launches: the coefficients
+    from projections summed on chip, then dV and dU; the extension refuses, with ValueError, operands they cannot
+    take) or None (the fused launches wherever they take the call)."""
+    return PREFILL_GRADS_PATH.force(path)
 
 
 def _dx_in_gemm(grad_y: Tensor, weight: Tensor, V: Tensor) -> bool:

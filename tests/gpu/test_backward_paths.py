@@ -118,9 +118,9 @@ def test_decode_backward_is_not_taken_above_decode_sizes(monkeypatch):
     assert not calls and V.grad is not None
 
 
-def _backward_kernels(M, x_grad):
+def _backward_kernels(M, x_grad, r=8):
     """Names of the CUDA kernels an eager backward of the fused linear at M rows ran (the C++ autograd function)."""
-    x, W, b, V, c, U = operands(M, 64, 32, 8, torch.bfloat16, codes=True, seed=M)
+    x, W, b, V, c, U = operands(M, 64, 32, r, torch.bfloat16, codes=True, seed=M)
     leaves = [x.requires_grad_(x_grad), V.requires_grad_(), c.requires_grad_(), U.requires_grad_()]
     y = ops.bem_linear(leaves[0], W, b, *leaves[1:], 1.0)
     assert "FusedLinearFunction" in y.grad_fn.name(), y.grad_fn.name()
@@ -139,6 +139,55 @@ def test_eager_backward_takes_the_decode_kernels_up_to_64_rows(x_grad):
 
     assert decode_ran(_backward_kernels(64, x_grad))
     assert not decode_ran(_backward_kernels(65, x_grad))
+
+
+def _fused_grads_ran(names):
+    return [any(kernel in name for name in names) for kernel in ("prefill_coefficients_kernel",
+                                                                 "prefill_weight_grads_kernel")]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,K,N,r", [(65, 64, 72, 8), (300, 96, 80, 16), (1000, 576, 1536, 8), (4097, 136, 264, 16),
+                                     (8192, 576, 576, 8), (3001, 2048, 512, 16)])
+@pytest.mark.parametrize("grads_path", ["fused", "composed"])
+@pytest.mark.parametrize("needs", ["all", "no_x", "no_codes", "only_u"])
+def test_prefill_grads_paths_match_float64(dtype, M, K, N, r, grads_path, needs, monkeypatch):
+    """The prefill backward's low-rank pieces both ways: fused (the coefficients from projections summed on chip,
+    then dV and dU with rows split over blocks: one split at 65 and 300 rows, several above) and composed (cuBLAS),
+    with dX from the fused GEMM where the build has it (the fused pieces run with that dX path or without dX)."""
+    if not custom_ops._C.fused_gemm_available() and needs in ("all", "no_codes"):
+        pytest.skip("dX beside the fused pieces comes from the fused GEMM (sm_90a)")
+    calls = []
+    for name in ("_prefill_backward", "_grads_from_g"):
+        real = getattr(custom_ops, name)
+        monkeypatch.setattr(custom_ops, name, lambda *a, real=real: calls.append(1) or real(*a))
+    dx_path = "gemm" if custom_ops._C.fused_gemm_available() else None
+    with custom_ops.prefill_grads_path(grads_path), custom_ops.prefill_dx_path(dx_path):
+        _check_gradients("linear", M, K, N, r, dtype, needs, 0.8, stable_seed(dtype, M, K, N, r, grads_path, needs),
+                         "prefill", calls)
+
+
+@pytest.mark.parametrize("x_grad", [True, False])
+def test_eager_backward_takes_the_fused_grads_where_they_take_the_call(x_grad):
+    """Seen in the kernels the eager backward ran: the two fused launches by default (without dX, and with dX from
+    the fused GEMM), none when the composition is forced, and none at a rank they do not take (12)."""
+    dx_path = "gemm" if custom_ops._C.fused_gemm_available() else None
+    if x_grad and dx_path is None:
+        pytest.skip("the fused pieces run beside the fused GEMM's dX (sm_90a)")
+    with custom_ops.prefill_dx_path(dx_path):
+        assert _fused_grads_ran(_backward_kernels(300, x_grad)) == [True, True]
+        with custom_ops.prefill_grads_path("composed"):
+            assert _fused_grads_ran(_backward_kernels(300, x_grad)) == [False, False]
+    assert _fused_grads_ran(_backward_kernels(300, x_grad, r=12)) == [False, False]
+
+
+def test_forced_fused_grads_refuse_a_rank_they_do_not_take():
+    x, W, b, V, c, U = operands(300, 64, 32, 12, torch.bfloat16, codes=True, seed=5)
+    dy = torch.randn(300, 32, device="cuda", dtype=torch.bfloat16)
+    with custom_ops.prefill_grads_path("fused"), pytest.raises(
+            ValueError, match=r"the fused prefill gradients take ranks 8 and 16, .*got x \(300, 64\), "
+                              r"grad_y \(300, 32\), V \(64, 12\)"):
+        custom_ops._C.prefill_weight_grads(x, dy, V, U, c, 1.0)
 
 
 @pytest.mark.parametrize("M", [4, 300])

@@ -1,14 +1,19 @@
 // Torch bindings of the backward: the decode-size backward (lowrank_grads.cu, beside cuBLAS on a pool
-// stream), the prefill backward's coefficients (scale_codes.cu), and the whole prefill backward.
+// stream), the prefill backward's coefficients (scale_codes.cu), and the whole prefill backward with its
+// low-rank pieces in two launches where they take the call (lowrank_prefill_grads.cu).
 #include "backward_ops.h"
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <atomic>
+#include <optional>
 #include <vector>
 
+#include "device_info.h"
 #include "gemm_update_ops.h"
+#include "launchers.h"
 #include "torch_checks.h"
 #include "update_ops.h"
 
@@ -63,7 +68,79 @@ Tensor kept_or_projected(const OptTensor& P, const Tensor& x, const Tensor& V) {
   return *P;
 }
 
+// How the prefill backward's low-rank pieces run, as custom_ops.prefill_grads_path forces it: -1 the two fused
+// launches wherever they take the call, 0 the composition (cuBLAS projections, the coefficient kernel, cuBLAS
+// GEMMs), 1 the fused launches (refused where they cannot take the call). Atomic: the autograd engine's device
+// threads read it.
+std::atomic<int> forced_grads_path{-1};
+
+// The fused path's outputs and workspace after its coefficient launch; dV and dU (allocated where needed) come
+// from launch_prefill_weight_grads(args), which the caller places on a stream ordered after this one.
+struct FusedGrads {
+  Tensor low, pc, dcodes, dV, dU, ws;
+  PrefillGradArgs args;
+};
+
+// The coefficient launch of the fused path on the current stream, or nothing where it does not take the call
+// (the caller composes instead). Operands checked by the caller; under its device guard.
+std::optional<FusedGrads> fused_coefficients(const Tensor& x, const Tensor& grad_y, const Tensor& V, const Tensor& U,
+                                             const OptTensor& codes, double scale, bool need_v, bool need_u) {
+  const int path = forced_grads_path.load();
+  if (path == 0) return std::nullopt;
+  PrefillGradArgs args{};
+  args.X = x.data_ptr();
+  args.dY = grad_y.data_ptr();
+  args.V = V.data_ptr();
+  args.U = U.data_ptr();
+  args.codes = codes.has_value() ? codes->data_ptr() : nullptr;
+  args.M = (int)x.size(0);
+  args.K = (int)x.size(1);
+  args.N = (int)grad_y.size(1);
+  args.r = (int)V.size(1);
+  args.num_sms = num_sms(x.get_device());
+  args.scale = (float)scale;
+  args.need_v = need_v;
+  args.need_u = need_u;
+  if (!prefill_grads_fit(args)) {
+    BEM_CHECK(path != 1, "the fused prefill gradients take ranks 8 and 16, K and N multiples of 8 and 16-byte "
+              "aligned x, grad_y, V and U; got x ", shape_text(x.sizes()), ", grad_y ", shape_text(grad_y.sizes()),
+              ", V ", shape_text(V.sizes()));
+    return std::nullopt;
+  }
+  FusedGrads f;
+  const int64_t M = x.size(0), r = V.size(1);
+  f.low = at::empty({M, r}, x.options());
+  f.pc = at::empty({M, r}, x.options());
+  f.dcodes = at::empty({M, r}, x.options());
+  if (need_v) f.dV = at::empty({x.size(1), r}, x.options());
+  if (need_u) f.dU = at::empty({grad_y.size(1), r}, x.options());
+  f.ws = at::empty({prefill_grads_workspace(args)}, x.options().dtype(at::kByte));
+  args.low = f.low.data_ptr();
+  args.pc = f.pc.data_ptr();
+  args.dcodes = f.dcodes.data_ptr();
+  args.dV = need_v ? f.dV.data_ptr() : nullptr;
+  args.dU = need_u ? f.dU.data_ptr() : nullptr;
+  args.ws = f.ws.data_ptr();
+  f.args = args;
+  C10_CUDA_CHECK(launch_prefill_coefficients(dtype_of(x), args, stream_now()));
+  return f;
+}
+
+// grad_y as the prefill backward takes it: (M, N) row-major, like x.
+void check_prefill_grad_y(const Tensor& grad_y, const Tensor& x, int64_t N) {
+  check_like(grad_y, "grad_y", x);
+  check_contiguous(grad_y, "grad_y");
+  BEM_CHECK(grad_y.dim() == 2 && grad_y.size(0) == x.size(0) && grad_y.size(1) == N, "grad_y must be (M, N) = (",
+            x.size(0), ", ", N, "), got ", grad_y.sizes());
+}
+
 }  // namespace
+
+void set_prefill_grads_path(int64_t path) {
+  BEM_CHECK(path >= -1 && path <= 1, "the prefill gradients' path must be -1 (where the fused launches take the "
+            "call), 0 (composed) or 1 (fused), got ", path);
+  forced_grads_path.store(static_cast<int>(path));
+}
 
 // The backward at decode sizes: (dX, dV, dcodes, dU) with dX = dY W + s (G ⊙ c) V^T (without W: the
 // update's share alone), dV = s x^T (G ⊙ c), dcodes = s G ⊙ P, dU = s dY^T (P ⊙ c), G = dY U. The two
@@ -175,14 +252,21 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> prefill_backward(const Tensor& x, con
   check_update_operands(x, V, codes, U);
   BEM_CHECK(tensor_core_dtype(x), "the prefill backward takes float16 or bfloat16, got ", x.scalar_type());
   const int64_t M = x.size(0), K = x.size(1), N = U.size(0), r = V.size(1);
-  check_like(grad_y, "grad_y", x);
-  check_contiguous(grad_y, "grad_y");
-  BEM_CHECK(grad_y.dim() == 2 && grad_y.size(0) == M && grad_y.size(1) == N, "grad_y must be (M, N) = (", M, ", ",
-            N, "), got ", grad_y.sizes());
+  check_prefill_grad_y(grad_y, x, N);
   check_like(weight, "weight", x);
   BEM_CHECK(weight.dim() == 2 && weight.size(0) == N && weight.size(1) == K, "weight must be (N, K) = (", N, ", ", K,
             "), got ", weight.sizes());
+  if (P_kept.has_value()) check_p_like(*P_kept, "P", x, "x", M, r);
   const c10::cuda::CUDAGuard guard(x.device());
+  if (dx_in_gemm) {
+    if (std::optional<FusedGrads> fused = fused_coefficients(x, grad_y, V, U, codes, scale, need_v, need_u)) {
+      Tensor dX;
+      fork_join(
+          x.get_device(), [&] { dX = gemm_update_given(grad_y, weight.t(), c10::nullopt, fused->low, V, 0); },
+          [&] { C10_CUDA_CHECK(launch_prefill_weight_grads(dtype_of(x), fused->args, stream_now())); });
+      return {dX, fused->dV, fused->dcodes, fused->dU};
+    }
+  }
   const Tensor P = kept_or_projected(P_kept, x, V);
   Tensor dX, G;
   if (dx_in_gemm) {
@@ -207,6 +291,24 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> prefill_backward(const Tensor& x, con
         if (need_u) at::mm_out(dU, grad_y.t(), pc);
       });
   return {dX, dV, dcodes, dU};
+}
+
+// The prefill backward without dX (a first layer's projections, whose input needs no gradient): (dV, dcodes, dU)
+// from the two fused launches where they take the call, else x V and dY U, the coefficient kernel and two GEMMs.
+std::tuple<Tensor, Tensor, Tensor> prefill_weight_grads(const Tensor& x, const Tensor& grad_y, const Tensor& V,
+                                                        const Tensor& U, const OptTensor& codes, double scale,
+                                                        bool need_v, bool need_u) {
+  check_update_operands(x, V, codes, U);
+  BEM_CHECK(tensor_core_dtype(x), "the prefill backward takes float16 or bfloat16, got ", x.scalar_type());
+  check_prefill_grad_y(grad_y, x, U.size(0));
+  const c10::cuda::CUDAGuard guard(x.device());
+  if (std::optional<FusedGrads> fused = fused_coefficients(x, grad_y, V, U, codes, scale, need_v, need_u)) {
+    C10_CUDA_CHECK(launch_prefill_weight_grads(dtype_of(x), fused->args, stream_now()));
+    return {fused->dV, fused->dcodes, fused->dU};
+  }
+  const Tensor P = project(x, V), G = project(grad_y, U);
+  auto [low, pc, dcodes] = backward_coefficients(G, P, codes, scale, x.scalar_type());
+  return {need_v ? at::mm(x.t(), low) : Tensor(), dcodes, need_u ? at::mm(grad_y.t(), pc) : Tensor()};
 }
 
 }  // namespace bem

@@ -24,4 +24,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> prefill_backward(
     const at::Tensor& U, const c10::optional<at::Tensor>& P, const c10::optional<at::Tensor>& codes, double scale, bool dx_in_gemm,
     bool need_v, bool need_u);
 
+// (dV, dcodes, dU) of the BEM linear above decode sizes without dX; dV and dU undefined where not needed.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> prefill_weight_grads(const at::Tensor& x, const at::Tensor& grad_y,
+                                                                    const at::Tensor& V, const at::Tensor& U,
+                                                                    const c10::optional<at::Tensor>& codes,
+                                                                    double scale, bool need_v, bool need_u);
+
+// Forces how the prefill backward's low-rank pieces run: -1 the fused launches where they take the call, 0 the
+// composition, 1 the fused launches (refused, with ValueError, where they cannot take the call).
+void set_prefill_grads_path(int64_t path);
+
 }  // namespace bem

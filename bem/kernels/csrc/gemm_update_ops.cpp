@@ -189,13 +189,6 @@ namespace {
 // autograd engine's device thread reads what the Python thread set.
 std::atomic<int> forced_dx_path{-1};
 
-// A shape as Python writes a tuple, for messages about the operands a Python call gave.
-std::string shape_text(c10::IntArrayRef sizes) {
-  std::string text = "(";
-  for (size_t i = 0; i < sizes.size(); ++i) text += std::to_string(sizes[i]) + (i + 1 < sizes.size() ? ", " : "");
-  return text + (sizes.size() == 1 ? ",)" : ")");
-}
-
 }  // namespace
 
 void set_prefill_dx_path(int64_t path) {

@@ -53,6 +53,39 @@ cudaError_t launch_scale_codes(DType dtype, const float* P, const void* codes, v
 cudaError_t launch_backward_coefficients(DType dtype, const float* G, const float* P, const void* codes, void* g_c,
                                          void* p_c, void* g_p, int64_t count, float scale, cudaStream_t stream);
 
+// The prefill backward's low-rank pieces in two launches (lowrank_prefill_grads.cu, fp16/bf16, above decode
+// sizes), where composed they took two cuBLAS projections, the coefficient kernel and two split-K cuBLAS GEMMs
+// with their reductions:
+// - coefficients: P = X V and G = dY U on the tensor cores, summed in a fixed order (never written), and from
+//   them low = s G ⊙ c, pc = s P ⊙ c and dcodes = s G ⊙ P in the dtype (codes null: all ones); it also zeroes the
+//   weight-gradient launch's tile counters;
+// - weight gradients: dV = X^T low and dU = dY^T pc (either may be skipped: need_v, need_u), rows of X and dY split over
+//   blocks whose fp32 partials (ws) the last block of each column tile sums in a fixed order: the result does not
+//   depend on timing.
+// prefill_grads_fit says whether they take the call: r 8 or 16, K and N multiples of 8, X, dY, V and U 16-byte
+// aligned. The caller allocates low, pc and dcodes (M x r) and ws (prefill_grads_workspace bytes, 16-byte aligned).
+struct PrefillGradArgs {
+  const void* X;
+  const void* dY;
+  const void* V;
+  const void* U;
+  const void* codes;
+  void* low;
+  void* pc;
+  void* dcodes;
+  void* dV;
+  void* dU;
+  void* ws;
+  int M, K, N, r;
+  int num_sms;
+  float scale;
+  bool need_v, need_u;
+};
+bool prefill_grads_fit(const PrefillGradArgs& args);
+int64_t prefill_grads_workspace(const PrefillGradArgs& args);  // bytes
+cudaError_t launch_prefill_coefficients(DType dtype, const PrefillGradArgs& args, cudaStream_t stream);
+cudaError_t launch_prefill_weight_grads(DType dtype, const PrefillGradArgs& args, cudaStream_t stream);
+
 // The streaming update kernel (fp16/bf16, prefill sizes): lowrank_stream_fits says whether the call
 // suits it (L and r multiples of 8, r <= kStreamMaxRank, A, B and U 16-byte aligned, no P_in, stream_tokens 0, 16, 32 or 64 (64 up to rank 32),
 // stream_cluster 0, 1, or 2, 4, 8 where cc_major >= 9). Same outputs as launch_lowrank_update.

@@ -6,8 +6,8 @@
 // backward's Python took about 26 ms of a 99 ms backward that issued in 61 ms for the frozen model. Here the
 // forward is one C++ call and the backward never enters Python. The kernels and their choice are those of the
 // custom ops' backward (custom_ops.lowrank_backward): the decode-size kernels for 1..64 rows, the prefill
-// backward above, and without dX (a first layer's projections, whose input needs no gradient) x V and dY U,
-// the coefficient kernel and two GEMMs. torch.compile never sees this function: traced code takes the custom ops.
+// backward above, and without dX (a first layer's projections, whose input needs no gradient) its low-rank
+// pieces alone (prefill_weight_grads). torch.compile never sees this function: traced code takes the custom ops.
 #include <torch/extension.h>
 
 #include <cstdint>
@@ -35,9 +35,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fused_linear_grads(const Tensor& x, c
   if (need_x)
     return prefill_backward(x, dy, weight, V, U, c10::nullopt, codes, scale, prefill_dx_in_gemm(dy, weight.t(), V),
                             need_v, need_u);
-  const Tensor P = project(x, V), G = project(dy, U);
-  auto [low, pc, dcodes] = backward_coefficients(G, P, codes, scale, x.scalar_type());
-  return {Tensor(), need_v ? at::mm(x.t(), low) : Tensor(), dcodes, need_u ? at::mm(dy.t(), pc) : Tensor()};
+  auto [dv, dcodes, du] = prefill_weight_grads(x, dy, V, U, codes, scale, need_v, need_u);
+  return {Tensor(), dv, dcodes, du};
 }
 
 }  // namespace
@@ -96,6 +95,14 @@ void bind_linear_autograd(pybind11::module_& m) {
   m.def("set_prefill_dx_path", &set_prefill_dx_path,
         "force the prefill backward's dX path: -1 by the measured rule, 0 the update kernels, 1 the fused GEMM",
         py::arg("path"));
+  m.def("set_prefill_grads_path", &set_prefill_grads_path,
+        "force how the prefill backward's low-rank pieces run: -1 the fused launches where they take the call, 0 "
+        "composed (cuBLAS), 1 the fused launches",
+        py::arg("path"));
+  m.def("prefill_weight_grads", &prefill_weight_grads,
+        "(dV, dcodes, dU) of the BEM linear above decode sizes without dX (dV, dU None where not asked for)",
+        py::arg("x"), py::arg("grad_y"), py::arg("V"), py::arg("U"), py::arg("codes"), py::arg("scaling"),
+        py::arg("need_v") = true, py::arg("need_u") = true);
   m.def("prefill_dx_in_gemm", &prefill_dx_in_gemm,
         "whether the prefill backward's dX comes from the fused GEMM: forced (refused where it cannot take the "
         "operands) or by the measured rule",

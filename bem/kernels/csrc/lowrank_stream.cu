@@ -1,10 +1,8 @@
 // The generated update s * ((A B) ⊙ codes) U^T at prefill sizes, streaming A once and Y once.
 //
 // A block owns 16 MT rows (tokens) and 8 NT ranks (r rounded up to 8, 16, 32 or 64). Phase 1: its 8
-// warps split K into contiguous runs; each warp loads A (every token tile) with 16-byte loads straight
-// into tensor-core registers (the k-map of common.cuh), so A streams in long contiguous runs with no
-// shared-memory staging and no barrier, and B's rows pass through a small per-warp staging tile into the
-// same k-map, each serving MT token tiles. The 8 partial products meet once in shared memory and are summed
+// warps split K into contiguous runs, each projecting its run for every token tile (lowrank_project.cuh:
+// A streamed straight into tensor-core registers, B's rows through a per-warp staging tile). The 8 partial products meet once in shared memory and are summed
 // in a fixed order into s P ⊙ c, stored in A's dtype as plain PyTorch rounds it. Phase 2 computes
 // Y^T tiles as U · (s P ⊙ c)^T: two 4-byte loads per 16 ranks of each of U's rows (the A operand) serve
 // all the block's tokens, whose fragments stay in registers. Column tiles of 32 are interleaved across
@@ -18,13 +16,12 @@
 
 #include "common.cuh"
 #include "launchers.h"
+#include "lowrank_project.cuh"
 
 namespace bem {
 namespace {
 
-constexpr int kWarps = 8, kThreads = 256, kChunk = 32, kColTile = 32;
-constexpr int kLoadsInFlight = 16;  // 16-byte loads of A per thread issued before their products
-constexpr int kStageBytes = 512;    // a warp's staging tile for B: 32 rows of K x 8 ranks
+constexpr int kWarps = 8, kThreads = 256, kColTile = 32;
 
 struct StreamFlags {
   bool expand, accumulate, y_vec;
@@ -32,7 +29,6 @@ struct StreamFlags {
 
 template <int MT, int NT> struct StreamShape {
   static constexpr int tokens = 16 * MT, ranks = 8 * NT;
-  static constexpr int batch = kLoadsInFlight / (2 * MT);  // K chunks loaded at once
   static constexpr int ksteps = (ranks + 15) / 16;         // phase 2's k16 steps over the ranks
   static constexpr int z_ld = ranks + 1;                   // fp32 partials: odd stride spreads the banks
   static constexpr int z_floats = kWarps * tokens * z_ld;
@@ -42,7 +38,7 @@ template <int MT, int NT> struct StreamShape {
   static constexpr size_t pc_offset = (size_t)cmax(z_floats, y_floats) * 4;
   static constexpr size_t stage_offset = (pc_offset + (size_t)tokens * pc_ld * 2 + 15) / 16 * 16;  // B's
   // the block's partial P (summed over its warps), read by the cluster's other blocks (clusters only)
-  static constexpr size_t zsum_offset = stage_offset + (size_t)kWarps * kStageBytes;
+  static constexpr size_t zsum_offset = stage_offset + (size_t)kWarps * kProjectStageBytes;
   static constexpr size_t smem_bytes(bool cluster) {
     return cluster ? zsum_offset + (size_t)tokens * ranks * 4 : zsum_offset;
   }
@@ -84,24 +80,8 @@ __global__ void __launch_bounds__(kThreads, 2) lowrank_stream_kernel(LowRankArgs
   const int slice = CLUSTER ? blockIdx.x : 0, slices = CLUSTER ? gridDim.x : 1;  // this block's slices of K and N
 
   // ---- Phase 1: this warp's share of the block's slice of K, for every token of the block ----
-  const int chunks = (L + kChunk - 1) / kChunk;
-  const int per_slice = (chunks + slices - 1) / slices;
-  const int slice_begin = min(chunks, slice * per_slice), slice_end = min(chunks, slice_begin + per_slice);
-  const int per_warp = (slice_end - slice_begin + kWarps - 1) / kWarps;
-  const int q_begin = slice_begin + warp * per_warp, q_end = min(slice_end, q_begin + per_warp);
-  const T* a_base = A + (size_t)m0 * L + 8 * c;
-  bool row_ok[MT][2];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) row_ok[mt][h] = m0 + 16 * mt + 8 * h + g < M;
-  // B (L x r, rank-contiguous) as the mma B operand, where thread (g, c) needs B's k = 8c..8c+7 (its x
-  // fragment's k) at rank g of a rank tile: lane l loads row k + l of the tile (16 bytes) and stores it at
-  // row 8t + 2c' + u of the warp's staging tile (l = 8c' + 2t + u), so that ldmatrix.trans hands thread
-  // (g, c) the k pairs (8c + 2t, 8c + 2t + 1) of rank g as word t. No transposed copy of B is needed.
-  unsigned char* stage = smem_raw + S::stage_offset + warp * kStageBytes;
-  const unsigned stage_address = smem_address(stage) + 16 * lane;
-  uint4* stage_row = reinterpret_cast<uint4*>(stage) + 8 * ((lane % 8) / 2) + 2 * (lane / 8) + lane % 2;
+  const ChunkRange chunks = warp_chunks(L, slice, slices, warp, kWarps);
+  unsigned char* stage = smem_raw + S::stage_offset + warp * kProjectStageBytes;
   // The codes of this thread's elements of the P sum below, requested now where they are few (kept raw:
   // converting them here would wait for the load before phase 1); with more, they would crowd phase 1's
   // registers and are read in the sum.
@@ -118,63 +98,8 @@ __global__ void __launch_bounds__(kThreads, 2) lowrank_stream_kernel(LowRankArgs
   }
 
   float z[MT][NT][4] = {};
-  for (int q = q_begin; q < q_end; q += S::batch) {
-    uint4 xa[S::batch][MT][2];
-#pragma unroll
-    for (int i = 0; i < S::batch; ++i) {
-      const int k = (q + i) * kChunk;
-      const bool in = q + i < q_end && k + 8 * c < L;  // L % 8 == 0: a group of 8 is all in or out
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          xa[i][mt][h] = in && row_ok[mt][h] ? ld_stream16(a_base + (size_t)(16 * mt + 8 * h + g) * L + k) : zero4();
-    }
-    // B's rows: every chunk's requested with x's where the registers allow (one latency for the batch, not
-    // one a chunk), else each chunk's just before its products.
-    constexpr int kBChunks = S::batch * NT <= 16 ? S::batch : 1;
-    uint4 b_rows[kBChunks][NT];
-    auto load_b = [&](int i, uint4 (&rows)[NT]) {
-      const int k = (q + i) * kChunk;
-      const bool row_in = q + i < q_end && k + lane < L;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        rows[nt] = row_in && 8 * nt < r ? ld_cached16(B + (size_t)(k + lane) * r + 8 * nt) : zero4();
-    };
-    if constexpr (kBChunks > 1) {
-#pragma unroll
-      for (int i = 0; i < S::batch; ++i) load_b(i, b_rows[i]);
-    }
-#pragma unroll
-    for (int i = 0; i < S::batch; ++i) {
-      if constexpr (kBChunks == 1) load_b(i, b_rows[0]);
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        *stage_row = b_rows[kBChunks > 1 ? i : 0][nt];
-        __syncwarp();
-        const uint4 vb = ldmatrix_x4_trans(stage_address);
-        __syncwarp();  // every lane has its operands before the next tile overwrites the staging tile
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          const uint4 x0 = xa[i][mt][0], x1 = xa[i][mt][1];
-          mma_16816<T>(z[mt][nt], x0.x, x1.x, x0.y, x1.y, vb.x, vb.y);
-          mma_16816<T>(z[mt][nt], x0.z, x1.z, x0.w, x1.w, vb.z, vb.w);
-        }
-      }
-    }
-  }
-  // z[mt][nt]: tokens 16 mt + (g, g + 8) x ranks 8 nt + (2c, 2c + 1), this warp's share of K.
-  float* zs = zbuf + warp * S::tokens * S::z_ld;
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const int t0 = 16 * mt + g, j = 8 * nt + 2 * c;
-      zs[t0 * S::z_ld + j] = z[mt][nt][0];
-      zs[t0 * S::z_ld + j + 1] = z[mt][nt][1];
-      zs[(t0 + 8) * S::z_ld + j] = z[mt][nt][2];
-      zs[(t0 + 8) * S::z_ld + j + 1] = z[mt][nt][3];
-    }
+  project_chunks<T, MT, NT>(A, L, B, r, M, m0, chunks.begin, chunks.end, stage, z);
+  store_partials<MT, NT>(zbuf + warp * S::tokens * S::z_ld, S::z_ld, z);
   __syncthreads();
 
   // ---- P summed over the warps (and the cluster's blocks) in a fixed order; s P ⊙ c to shared memory ----

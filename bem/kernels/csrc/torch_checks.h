@@ -9,6 +9,7 @@
 #include <climits>
 #include <cstdint>
 #include <stdexcept>
+#include <string>
 
 #include "launchers.h"
 
@@ -22,6 +23,13 @@ using OptTensor = c10::optional<Tensor>;
   do {                                                                         \
     if (!(cond)) throw std::invalid_argument(c10::str("bem: ", __VA_ARGS__)); \
   } while (0)
+
+// A shape as Python writes a tuple, for messages about the operands a Python call gave.
+inline std::string shape_text(c10::IntArrayRef sizes) {
+  std::string text = "(";
+  for (size_t i = 0; i < sizes.size(); ++i) text += std::to_string(sizes[i]) + (i + 1 < sizes.size() ? ", " : "");
+  return text + (sizes.size() == 1 ? ",)" : ")");
+}
 
 inline DType dtype_of(const Tensor& t) {
   switch (t.scalar_type()) {
