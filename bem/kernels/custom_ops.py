@@ -195,7 +195,8 @@ def prefill_grads_path(path: Optional[str]) -> contextlib.AbstractContextManager
     """Force how the prefill backward computes x V, dY U, the coefficients, dV and dU, for tests and benchmarks:
     "composed" (cuBLAS projections, the coefficient kernel, cuBLAS GEMMs), "fused" (two launches: the coefficients
     from projections summed on chip, then dV and dU; the extension refuses, with ValueError, operands they cannot
-    take) or None (the fused launches wherever they take the call)."""
+    take) or None (the fused launches at rank 8 where the frozen linear's work M K N is small: the extension's
+    measured rule)."""
     return PREFILL_GRADS_PATH.force(path)
 
 

@@ -118,9 +118,9 @@ def test_decode_backward_is_not_taken_above_decode_sizes(monkeypatch):
     assert not calls and V.grad is not None
 
 
-def _backward_kernels(M, x_grad, r=8):
+def _backward_kernels(M, x_grad, r=8, K=64, N=32):
     """Names of the CUDA kernels an eager backward of the fused linear at M rows ran (the C++ autograd function)."""
-    x, W, b, V, c, U = operands(M, 64, 32, r, torch.bfloat16, codes=True, seed=M)
+    x, W, b, V, c, U = operands(M, K, N, r, torch.bfloat16, codes=True, seed=M)
     leaves = [x.requires_grad_(x_grad), V.requires_grad_(), c.requires_grad_(), U.requires_grad_()]
     y = ops.bem_linear(leaves[0], W, b, *leaves[1:], 1.0)
     assert "FusedLinearFunction" in y.grad_fn.name(), y.grad_fn.name()
@@ -168,9 +168,10 @@ def test_prefill_grads_paths_match_float64(dtype, M, K, N, r, grads_path, needs,
 
 
 @pytest.mark.parametrize("x_grad", [True, False])
-def test_eager_backward_takes_the_fused_grads_where_they_take_the_call(x_grad):
-    """Seen in the kernels the eager backward ran: the two fused launches by default (without dX, and with dX from
-    the fused GEMM), none when the composition is forced, and none at a rank they do not take (12)."""
+def test_eager_backward_takes_the_fused_grads_by_the_measured_rule(x_grad):
+    """Seen in the kernels the eager backward ran: the two fused launches by default at rank 8 and small work
+    (without dX, and with dX from the fused GEMM), none when the composition is forced, none by default at rank 16
+    or above the rule's work (4096 x 4096², forced: taken), and none at a rank they do not take (12)."""
     dx_path = "gemm" if custom_ops._C.fused_gemm_available() else None
     if x_grad and dx_path is None:
         pytest.skip("the fused pieces run beside the fused GEMM's dX (sm_90a)")
@@ -178,6 +179,11 @@ def test_eager_backward_takes_the_fused_grads_where_they_take_the_call(x_grad):
         assert _fused_grads_ran(_backward_kernels(300, x_grad)) == [True, True]
         with custom_ops.prefill_grads_path("composed"):
             assert _fused_grads_ran(_backward_kernels(300, x_grad)) == [False, False]
+        assert _fused_grads_ran(_backward_kernels(300, x_grad, r=16)) == [False, False]
+        assert _fused_grads_ran(_backward_kernels(4096, x_grad, K=4096, N=4096)) == [False, False]
+        with custom_ops.prefill_grads_path("fused"):
+            assert _fused_grads_ran(_backward_kernels(300, x_grad, r=16)) == [True, True]
+            assert _fused_grads_ran(_backward_kernels(4096, x_grad, K=4096, N=4096)) == [True, True]
     assert _fused_grads_ran(_backward_kernels(300, x_grad, r=12)) == [False, False]
 
 

@@ -69,7 +69,7 @@ Tensor kept_or_projected(const OptTensor& P, const Tensor& x, const Tensor& V) {
 }
 
 // How the prefill backward's low-rank pieces run, as custom_ops.prefill_grads_path forces it: -1 the two fused
-// launches wherever they take the call, 0 the composition (cuBLAS projections, the coefficient kernel, cuBLAS
+// launches where they take the call and the measured rule says so, 0 the composition (cuBLAS projections, the coefficient kernel, cuBLAS
 // GEMMs), 1 the fused launches (refused where they cannot take the call). Atomic: the autograd engine's device
 // threads read it.
 std::atomic<int> forced_grads_path{-1};
@@ -81,8 +81,21 @@ struct FusedGrads {
   PrefillGradArgs args;
 };
 
-// The coefficient launch of the fused path on the current stream, or nothing where it does not take the call
-// (the caller composes instead). Operands checked by the caller; under its device guard.
+// Where the fused launches are taken unless forced: rank 8, and a frozen linear's work M K N up to 8192 x 2048².
+// They save about five launches and four library calls a layer on the host, which bounds a small model's
+// training step, and cost the device as much or a little more: forward + backward x the frozen linear's, H100
+// (scripts/backward_sweep.py --grads, fused against composed), at r = 8 and 8192 rows 576² 2.60 / 2.61, 2048²
+// 1.34 / 1.33, 768 x 2304 1.74 / 1.65 (9 us a call), and above the bound 2048 x 8192 1.29 / 1.25, 1536 x 8960
+// 1.34 / 1.28, 3072 x 9216 1.26 / 1.17 (120 us a call); at r = 16 behind everywhere measured (576² 3.20 / 2.54,
+// 4096² at 4096 rows 1.40 / 1.25): the weight-gradient kernel multiplies on the CUDA cores.
+constexpr int64_t kFusedGradsMaxWork = 8192LL * 2048 * 2048;
+
+bool fused_grads_by_rule(const PrefillGradArgs& args) {
+  return args.r == 8 && (int64_t)args.M * args.K * args.N <= kFusedGradsMaxWork;
+}
+
+// The coefficient launch of the fused path on the current stream, or nothing where it is not taken (the caller
+// composes instead). Operands checked by the caller; under its device guard.
 std::optional<FusedGrads> fused_coefficients(const Tensor& x, const Tensor& grad_y, const Tensor& V, const Tensor& U,
                                              const OptTensor& codes, double scale, bool need_v, bool need_u) {
   const int path = forced_grads_path.load();
@@ -107,6 +120,7 @@ std::optional<FusedGrads> fused_coefficients(const Tensor& x, const Tensor& grad
               ", V ", shape_text(V.sizes()));
     return std::nullopt;
   }
+  if (path < 0 && !fused_grads_by_rule(args)) return std::nullopt;
   FusedGrads f;
   const int64_t M = x.size(0), r = V.size(1);
   f.low = at::empty({M, r}, x.options());

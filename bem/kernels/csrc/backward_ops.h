@@ -30,8 +30,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> prefill_weight_grads(const at::Te
                                                                     const c10::optional<at::Tensor>& codes,
                                                                     double scale, bool need_v, bool need_u);
 
-// Forces how the prefill backward's low-rank pieces run: -1 the fused launches where they take the call, 0 the
-// composition, 1 the fused launches (refused, with ValueError, where they cannot take the call).
+// Forces how the prefill backward's low-rank pieces run: -1 the fused launches where they take the call and the
+// measured rule (rank 8, small M K N) says so, 0 the composition, 1 the fused launches (refused, with ValueError, where they cannot take the call).
 void set_prefill_grads_path(int64_t path);
 
 }  // namespace bem

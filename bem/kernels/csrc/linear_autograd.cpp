@@ -96,7 +96,7 @@ void bind_linear_autograd(pybind11::module_& m) {
         "force the prefill backward's dX path: -1 by the measured rule, 0 the update kernels, 1 the fused GEMM",
         py::arg("path"));
   m.def("set_prefill_grads_path", &set_prefill_grads_path,
-        "force how the prefill backward's low-rank pieces run: -1 the fused launches where they take the call, 0 "
+        "force how the prefill backward's low-rank pieces run: -1 by the measured rule (rank 8, small M K N), 0 "
         "composed (cuBLAS), 1 the fused launches",
         py::arg("path"));
   m.def("prefill_weight_grads", &prefill_weight_grads,
