@@ -83,11 +83,12 @@ struct FusedGrads {
 
 // Where the fused launches are taken unless forced: rank 8, and a frozen linear's work M K N up to 8192 x 2048².
 // They save about five launches and four library calls a layer on the host, which bounds a small model's
-// training step, and cost the device as much or a little more: forward + backward x the frozen linear's, H100
-// (scripts/backward_sweep.py --grads, fused against composed), at r = 8 and 8192 rows 576² 2.60 / 2.61, 2048²
-// 1.34 / 1.33, 768 x 2304 1.74 / 1.65 (9 us a call), and above the bound 2048 x 8192 1.29 / 1.25, 1536 x 8960
-// 1.34 / 1.28, 3072 x 9216 1.26 / 1.17 (120 us a call); at r = 16 behind everywhere measured (576² 3.20 / 2.54,
-// 4096² at 4096 rows 1.40 / 1.25): the weight-gradient kernel multiplies on the CUDA cores.
+// training step, and cost the device about as much: forward + backward x the frozen linear's, H100
+// (scripts/backward_sweep.py --grads, fused against composed), at r = 8 and 8192 rows 576² 2.54 / 2.62, 2048²
+// 1.36 / 1.36, 576 x 1536 2.08 / 1.96 and 768 x 2304 1.88 / 1.71 (7 and 17 us a call); at 4096 rows above the
+// bound 2048 x 8192 1.25 / 1.28, 3072 x 9216 1.17 / 1.20 but 1536 x 8960 1.43 / 1.34 (32 us); at r = 16 576²
+// 2.83 / 2.54, 2048² 1.38 / 1.33, 4096³ 1.21 / 1.22. Where the device is the bound (larger work) a loss is not
+// paid back on the host, so the rule stays where the losses were a few microseconds.
 constexpr int64_t kFusedGradsMaxWork = 8192LL * 2048 * 2048;
 
 bool fused_grads_by_rule(const PrefillGradArgs& args) {

@@ -9,10 +9,9 @@
 //   the tensor cores (lowrank_project.cuh), the warps' shares of P and then G meet in shared memory and are summed
 //   in a fixed order, and the coefficients are written in the dtype, rounded as the composed backward rounds them
 //   (P and G never reach memory);
-// - the weight-gradient kernel: a block owns a tile of columns of X (for dV) or dY (for dU) over a run of rows; a
-//   thread keeps an 8- or 4-column slice of the tile against all r ranks in fp32 registers, reading its rows with
-//   8- or 16-byte loads and the rows' coefficients through L1. Runs of rows are split over blocks to fill the GPU;
-//   their fp32 partials go to a workspace, and the last block of a tile (a counter the coefficient kernel zeroed)
+// - the weight-gradient kernel: a block owns a tile of 128 columns of X (for dV) or dY (for dU) over a run of
+//   rows, staged through shared memory, each warp 16 columns against all r ranks on the tensor cores. Runs of rows
+//   are split over blocks to fill the GPU; their fp32 partials go to a workspace, and the last block of a tile (a counter the coefficient kernel zeroed)
 //   sums them in split order, so the result does not depend on timing.
 #include <type_traits>
 
@@ -83,14 +82,20 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_coefficients_kernel(Prefi
 
 // ---- weight gradients ----
 
-// A tile: kLanes threads across its columns (kCols each: 16 bytes at r = 8, 8 bytes at r = 16, so that a thread
-// keeps 64 fp32 sums), kRowLanes across rows.
+// dV = X^T low as tensor-core products: a block's 8 warps each own 16 columns of a 128-column tile of X (or dY), so
+// a warp's 16 x r accumulator is its columns' whole sum over the block's run of rows (no reduction in the block).
+// Rows come through shared memory in stages of 32 (cp.async, kStages deep), where ldmatrix.trans hands each warp
+// X^T's and the coefficients' fragments.
+constexpr int kStageRows = 32, kStages = 4;
+
 template <int R>
 struct GradTile {
   static_assert(R == 8 || R == 16, "the weight-gradient kernel takes ranks 8 and 16");
-  static constexpr int kCols = R == 8 ? 8 : 4, kLanes = 16, kRowLanes = kThreads / kLanes;
-  static constexpr int kWidth = kCols * kLanes;  // columns of a tile
-  static constexpr int kUnroll = 8;              // rows a thread loads before their products
+  static constexpr int kWidth = 128;             // columns of a tile: 16 a warp
+  static constexpr int kXLd = kWidth * 2 + 16;   // bytes a staged row of X: padded so ldmatrix's 8 rows hit distinct banks
+  static constexpr int kCLd = R == 8 ? 16 : 48;  // bytes a staged row of coefficients (32 padded to 48: the same)
+  static constexpr int kStageBytes = kStageRows * (kXLd + kCLd);
+  static constexpr int kMinRunRows = 256;        // rows a block's run takes at least (eight stages)
 };
 
 // The split of both gradients' tiles over blocks: blockIdx.x a tile (dV's first), blockIdx.y a run of rows.
@@ -106,14 +111,13 @@ GradPlan plan_of(const PrefillGradArgs& a) {
   GradPlan p{};
   p.tiles_v = a.need_v ? (a.K + Tile::kWidth - 1) / Tile::kWidth : 0;
   p.tiles_u = a.need_u ? (a.N + Tile::kWidth - 1) / Tile::kWidth : 0;
-  // As many runs as fill the GPU in one wave (two blocks a multiprocessor are resident), each at least 32 rows a
-  // row lane: the sums at a block's end and the last block's over the runs cost about as much as a short run. A
-  // second, nearly empty wave doubled the kernel's time (H100).
+  // Enough runs that every multiprocessor holds four blocks (about 37-41 KB of stages each), all resident at once:
+  // a second, nearly empty wave doubled an earlier form's time (H100).
   const int tiles = p.tiles() > 0 ? p.tiles() : 1, sms = a.num_sms > 0 ? a.num_sms : 1;
-  const int most = a.M / (32 * Tile::kRowLanes) > 1 ? a.M / (32 * Tile::kRowLanes) : 1;
-  int splits = 2 * sms / tiles;
+  const int most = a.M / Tile::kMinRunRows > 1 ? a.M / Tile::kMinRunRows : 1;
+  int splits = 4 * sms / tiles;
   splits = splits < 1 ? 1 : (splits > most ? most : (splits > 64 ? 64 : splits));
-  p.rows_per_split = round_up((a.M + splits - 1) / splits, Tile::kRowLanes);
+  p.rows_per_split = round_up((a.M + splits - 1) / splits, kStageRows);
   p.splits = (a.M + p.rows_per_split - 1) / p.rows_per_split;
   p.partials_offset = round_up(p.tiles() * 4, 16);
   return p;
@@ -127,10 +131,10 @@ int64_t workspace_of(const PrefillGradArgs& a) {
 }
 
 template <typename T, int R>
-__global__ void __launch_bounds__(kThreads, 2) prefill_weight_grads_kernel(PrefillGradArgs a, GradPlan p) {
+__global__ void __launch_bounds__(kThreads) prefill_weight_grads_kernel(PrefillGradArgs a, GradPlan p) {
   using Tile = GradTile<R>;
-  constexpr int kC = Tile::kCols, kTileValues = Tile::kWidth * R;
-  __shared__ float red[kWarps * kTileValues];
+  constexpr int NT = R / 8, kTileValues = Tile::kWidth * R;
+  __shared__ __align__(128) unsigned char stages[kStages * Tile::kStageBytes];
   __shared__ bool last;
   const int tile = blockIdx.x, split = blockIdx.y;
   const bool is_u = tile >= p.tiles_v;
@@ -138,79 +142,77 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_weight_grads_kernel(Prefi
   const T* C = static_cast<const T*>(is_u ? a.pc : a.low);
   const int cols = is_u ? a.N : a.K;
   const int col0 = (is_u ? tile - p.tiles_v : tile) * Tile::kWidth;
-  const int lane_col = threadIdx.x % Tile::kLanes, row_lane = threadIdx.x / Tile::kLanes;
-  const int col = col0 + lane_col * kC;
-  const bool col_ok = col < cols;  // cols % 8 == 0: a thread's columns are all in or all out
   const int m_begin = split * p.rows_per_split, m_end = min(a.M, m_begin + p.rows_per_split);
+  const int steps = (m_end - m_begin + kStageRows - 1) / kStageRows;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
 
-  // Each row's raw words first (kUnroll rows in flight), converted at their products: converted on load, fewer
-  // rows fitted the registers beside the 64 sums.
-  constexpr int kXWords = kC / 2, kCWords = R / 2;  // 32-bit words of a row's columns and coefficients
-  float acc[kC][R] = {};
-  for (int m = m_begin + row_lane; m < m_end; m += Tile::kRowLanes * Tile::kUnroll) {
-    uint32_t xw[Tile::kUnroll][kXWords], cw[Tile::kUnroll][kCWords];
-#pragma unroll
-    for (int u = 0; u < Tile::kUnroll; ++u) {
-      const int mu = m + u * Tile::kRowLanes;
-      const bool row_ok = mu < m_end;
-      if constexpr (kC == 8) {
-        const uint4 v = row_ok && col_ok ? ld_stream16(A + (size_t)mu * cols + col) : zero4();
-        xw[u][0] = v.x, xw[u][1] = v.y, xw[u][2] = v.z, xw[u][3] = v.w;
-      } else {
-        const uint2 v = row_ok && col_ok ? __ldcs(reinterpret_cast<const uint2*>(A + (size_t)mu * cols + col))
-                                         : make_uint2(0, 0);
-        xw[u][0] = v.x, xw[u][1] = v.y;
-      }
-#pragma unroll
-      for (int h = 0; h < R / 8; ++h) {
-        const uint4 v = row_ok ? ld_cached16(C + (size_t)mu * R + 8 * h) : zero4();
-        cw[u][4 * h] = v.x, cw[u][4 * h + 1] = v.y, cw[u][4 * h + 2] = v.z, cw[u][4 * h + 3] = v.w;
-      }
+  auto x_stage = [&](int s) { return stages + s * Tile::kStageBytes; };
+  auto c_stage = [&](int s) { return stages + s * Tile::kStageBytes + kStageRows * Tile::kXLd; };
+  auto load_stage = [&](int step, int s) {  // rows past the run and columns past the matrix read as zeros
+    const int m0 = m_begin + step * kStageRows;
+    for (int i = threadIdx.x; i < kStageRows * (Tile::kWidth / 8); i += kThreads) {
+      const int row = i / (Tile::kWidth / 8), chunk = i % (Tile::kWidth / 8), m = m0 + row, col = col0 + 8 * chunk;
+      const bool ok = m < m_end && col < cols;  // cols % 8 == 0
+      cp_async16(x_stage(s) + row * Tile::kXLd + 16 * chunk, ok ? A + (size_t)m * cols + col : A, ok);
     }
-#pragma unroll
-    for (int u = 0; u < Tile::kUnroll; ++u) {
-      const T* xv = reinterpret_cast<const T*>(xw[u]);
-      const T* cv = reinterpret_cast<const T*>(cw[u]);
-      float c[R];
-#pragma unroll
-      for (int j = 0; j < R; ++j) c[j] = to_acc(cv[j]);
-#pragma unroll
-      for (int i = 0; i < kC; ++i) {
-        const float x = to_acc(xv[i]);
-#pragma unroll
-        for (int j = 0; j < R; ++j) acc[i][j] = fmaf(x, c[j], acc[i][j]);
-      }
+    for (int i = threadIdx.x; i < kStageRows * NT; i += kThreads) {
+      const int row = i / NT, chunk = i % NT, m = m0 + row;
+      cp_async16(c_stage(s) + row * Tile::kCLd + 16 * chunk, m < m_end ? C + (size_t)m * R + 8 * chunk : C,
+                 m < m_end);
     }
-  }
-
-  // The block's rows summed in a fixed order: lane pairs of a warp (rows row_lane, row_lane + 1), then the warps.
-  const int warp = threadIdx.x / 32;
-#pragma unroll
-  for (int i = 0; i < kC; ++i)
-#pragma unroll
-    for (int j = 0; j < R; ++j) acc[i][j] += __shfl_xor_sync(0xffffffffu, acc[i][j], 16);
-  if (threadIdx.x % 32 < 16) {
-#pragma unroll
-    for (int i = 0; i < kC; ++i)
-#pragma unroll
-      for (int j = 0; j < R; ++j) red[warp * kTileValues + (lane_col * kC + i) * R + j] = acc[i][j];
-  }
-  __syncthreads();
-  T* out = static_cast<T*>(is_u ? a.dU : a.dV);
-  auto block_value = [&](int o) {
-    float sum = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) sum += red[w * kTileValues + o];
-    return sum;
   };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < steps) load_stage(s, s);
+    cp_async_commit();
+  }
+  // ldmatrix row addresses of this lane: X^T's four 8 x 8 tiles (rows m, columns this warp's 16) and the
+  // coefficients' (rows m, ranks 8 a tile).
+  const int x_row = lane % 8 + 8 * (lane / 16), x_col = warp * 16 + 8 * ((lane / 8) % 2);
+  const int c_row = NT == 1 ? lane % 16 : lane % 8 + 8 * ((lane / 8) % 2), c_col = NT == 1 ? 0 : 16 * (lane / 16);
+  float d[NT][4] = {};
+  for (int step = 0; step < steps; ++step) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // this step's stage is in; every warp is done with the stage the next load overwrites
+    if (step + kStages - 1 < steps) load_stage(step + kStages - 1, (step + kStages - 1) % kStages);
+    cp_async_commit();
+    const int s = step % kStages;
+#pragma unroll
+    for (int h = 0; h < kStageRows / 16; ++h) {
+      // word i: X^T (columns g | g + 8, rows 2c, 2c + 1 | + 8) = the A fragment {row g lo, g+8 lo, g hi, g+8 hi}
+      const uint4 xa = ldmatrix_x4_trans(smem_address(x_stage(s) + (16 * h + x_row) * Tile::kXLd + 2 * x_col));
+      const unsigned c_at = smem_address(c_stage(s) + (16 * h + c_row) * Tile::kCLd + c_col);
+      if constexpr (NT == 1) {
+        const uint2 cb = ldmatrix_x2_trans(c_at);
+        mma_16816<T>(d[0], xa.x, xa.y, xa.z, xa.w, cb.x, cb.y);
+      } else {
+        const uint4 cb = ldmatrix_x4_trans(c_at);
+        mma_16816<T>(d[0], xa.x, xa.y, xa.z, xa.w, cb.x, cb.y);
+        mma_16816<T>(d[1], xa.x, xa.y, xa.z, xa.w, cb.z, cb.w);
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // d[nt][q]: column warp 16 + g (+ 8 for q >= 2) of the tile, rank 8 nt + 2c (+ 1 for odd q)
+  T* out = static_cast<T*>(is_u ? a.dU : a.dV);
+  auto local = [&](int nt, int q) { return (warp * 16 + g + 8 * (q / 2)) * R + 8 * nt + 2 * c + q % 2; };
   if (p.splits == 1) {
-    for (int o = threadIdx.x; o < kTileValues; o += kThreads)
-      if (col0 + o / R < cols) out[(size_t)(col0 + o / R) * R + o % R] = from_acc<T>(block_value(o));
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int o = local(nt, q);
+        if (col0 + o / R < cols) out[(size_t)col0 * R + o] = from_acc<T>(d[nt][q]);
+      }
     return;
   }
   float* partials = reinterpret_cast<float*>(static_cast<unsigned char*>(a.ws) + p.partials_offset);
-  for (int o = threadIdx.x; o < kTileValues; o += kThreads)
-    partials[((size_t)split * p.tiles() + tile) * kTileValues + o] = block_value(o);
+  float* mine = partials + ((size_t)split * p.tiles() + tile) * kTileValues;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) mine[local(nt, q)] = d[nt][q];
   __threadfence();  // this block's partials are visible device-wide before its count
   __syncthreads();
   if (threadIdx.x == 0) last = atomicAdd(static_cast<int*>(a.ws) + tile, 1) == p.splits - 1;
@@ -222,7 +224,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_weight_grads_kernel(Prefi
     float sum = 0.f;
 #pragma unroll 8
     for (int s = 0; s < p.splits; ++s) sum += __ldcg(partials + ((size_t)s * p.tiles() + tile) * kTileValues + o);
-    out[(size_t)(col0 + o / R) * R + o % R] = from_acc<T>(sum);
+    out[(size_t)col0 * R + o] = from_acc<T>(sum);
   }
 }
 
