@@ -59,9 +59,9 @@ cudaError_t launch_backward_coefficients(DType dtype, const float* G, const floa
 // - coefficients: P = X V and G = dY U on the tensor cores, summed in a fixed order (never written), and from
 //   them low = s G ⊙ c, pc = s P ⊙ c and dcodes = s G ⊙ P in the dtype (codes null: all ones); it also zeroes the
 //   weight-gradient launch's tile counters;
-// - weight gradients: dV = X^T low and dU = dY^T pc (either may be skipped: need_v, need_u), rows of X and dY split over
-//   blocks whose fp32 partials (ws) the last block of each column tile sums in a fixed order: the result does not
-//   depend on timing.
+// - weight gradients: dV = X^T low and dU = dY^T pc (either may be skipped: need_v, need_u), rows of X and dY
+//   split over blocks whose fp32 partials (ws) the last block of each column tile sums in a fixed order: the
+//   result does not depend on timing.
 // prefill_grads_fit says whether they take the call: r 8 or 16, K and N multiples of 8, X, dY, V and U 16-byte
 // aligned. The caller allocates low, pc and dcodes (M x r) and ws (prefill_grads_workspace bytes, 16-byte aligned).
 struct PrefillGradArgs {

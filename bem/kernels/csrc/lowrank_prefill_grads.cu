@@ -11,8 +11,8 @@
 //   (P and G never reach memory);
 // - the weight-gradient kernel: a block owns a tile of 128 columns of X (for dV) or dY (for dU) over a run of
 //   rows, staged through shared memory, each warp 16 columns against all r ranks on the tensor cores. Runs of rows
-//   are split over blocks to fill the GPU; their fp32 partials go to a workspace, and the last block of a tile (a counter the coefficient kernel zeroed)
-//   sums them in split order, so the result does not depend on timing.
+//   are split over blocks to fill the GPU; their fp32 partials go to a workspace, and the last block of a tile (a
+//   counter the coefficient kernel zeroed) sums them in run order, so the result does not depend on timing.
 #include <type_traits>
 
 #include "common.cuh"
@@ -92,7 +92,7 @@ template <int R>
 struct GradTile {
   static_assert(R == 8 || R == 16, "the weight-gradient kernel takes ranks 8 and 16");
   static constexpr int kWidth = 128;             // columns of a tile: 16 a warp
-  static constexpr int kXLd = kWidth * 2 + 16;   // bytes a staged row of X: padded so ldmatrix's 8 rows hit distinct banks
+  static constexpr int kXLd = kWidth * 2 + 16;   // bytes a staged row of X, padded: ldmatrix's 8 rows on distinct banks
   static constexpr int kCLd = R == 8 ? 16 : 48;  // bytes a staged row of coefficients (32 padded to 48: the same)
   static constexpr int kStageBytes = kStageRows * (kXLd + kCLd);
   static constexpr int kMinRunRows = 256;        // rows a block's run takes at least (eight stages)
