@@ -52,10 +52,10 @@ def sweep_row(M: int, K: int, N: int, r: int, l2_bytes: int, grads: bool = False
     if grads:
         dx = "gemm" if in_gemm else None
         variants = {"frozen": frozen, "fused": bem(dx, "fused"), "composed": bem(dx, "composed")}
-        return bench._time_interleaved(variants, calls=10)
-    variants = {"frozen": frozen, "default": bem(None), "update": bem("update")}
-    if in_gemm:
-        variants["gemm"] = bem("gemm")
+    else:
+        variants = {"frozen": frozen, "default": bem(None), "update": bem("update")}
+        if in_gemm:
+            variants["gemm"] = bem("gemm")
     return bench._time_interleaved(variants, calls=10)
 
 

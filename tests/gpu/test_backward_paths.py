@@ -1,7 +1,7 @@
 """The backward's two paths against float64, for every combination of gradients asked for: decode sizes
 (cuBLAS dY W beside two small kernels for G = dY U, dU, dV, dcodes and the update's share of dX) and
-prefill sizes (dX and G from the forward's dispatch run on dY, W^T, U and V; one coefficient kernel;
-cuBLAS dV and dU)."""
+prefill sizes (dX and G from the forward's dispatch run on dY, W^T, U and V, or dX from the fused GEMM; the
+low-rank pieces composed, one coefficient kernel and cuBLAS dV and dU, or fused, two launches)."""
 
 from __future__ import annotations
 
@@ -329,9 +329,10 @@ def test_default_prefill_dx_is_bit_equal_to_the_chosen_path(M, r, expected):
 @pytest.mark.parametrize("given", ["bias and codes", "no bias", "no codes"])
 def test_eager_autograd_calls_the_extension_directly_with_the_custom_ops_numbers(dtype, lead, K, N, r, needs, given):
     """Eager autograd on (batch, sequence, K) inputs takes the extension's C++ autograd function (not the custom
-    op's dispatch) and gives the custom op's gradients: the same kernels, up to one rounding where cuBLAS may pick
-    another algorithm on another stream. Without x's gradient ("no_x", "only_u") at 300 and 1400 rows, the C++
-    backward's own path (x V, dY U, the coefficients, two GEMMs). With and without a bias and codes, which move
+    op's dispatch) and gives the custom op's gradients, up to one rounding where cuBLAS may pick another algorithm
+    on another stream. Without x's gradient ("no_x", "only_u") at 300 and 1400 rows, the C++ backward's own path
+    (`prefill_weight_grads`: the fused launches where the rule takes the shape, else x V, dY U, the coefficients
+    and two GEMMs) against the custom op's composition in Python. With and without a bias and codes, which move
     the other operands' places among the function's inputs."""
     M = lead[0] * lead[1]
     x, W, b, V, c, U = operands(M, K, N, r, dtype, codes=given != "no codes",

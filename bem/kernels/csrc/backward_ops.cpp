@@ -69,9 +69,9 @@ Tensor kept_or_projected(const OptTensor& P, const Tensor& x, const Tensor& V) {
 }
 
 // How the prefill backward's low-rank pieces run, as custom_ops.prefill_grads_path forces it: -1 the two fused
-// launches where they take the call and the measured rule says so, 0 the composition (cuBLAS projections, the coefficient kernel, cuBLAS
-// GEMMs), 1 the fused launches (refused where they cannot take the call). Atomic: the autograd engine's device
-// threads read it.
+// launches where they take the call and the measured rule says so, 0 the composition (cuBLAS projections, the
+// coefficient kernel, cuBLAS GEMMs), 1 the fused launches (refused where they cannot take the call). Atomic: the
+// autograd engine's device threads read it.
 std::atomic<int> forced_grads_path{-1};
 
 // The fused path's outputs and workspace after its coefficient launch; dV and dU (allocated where needed) come
@@ -152,8 +152,8 @@ void check_prefill_grad_y(const Tensor& grad_y, const Tensor& x, int64_t N) {
 }  // namespace
 
 void set_prefill_grads_path(int64_t path) {
-  BEM_CHECK(path >= -1 && path <= 1, "the prefill gradients' path must be -1 (where the fused launches take the "
-            "call), 0 (composed) or 1 (fused), got ", path);
+  BEM_CHECK(path >= -1 && path <= 1, "the prefill gradients' path must be -1 (by the measured rule), 0 (composed) "
+            "or 1 (fused), got ", path);
   forced_grads_path.store(static_cast<int>(path));
 }
 
