@@ -72,6 +72,18 @@ template <typename T> __device__ __forceinline__ uint4 pack8(const float in[8]) 
   return raw;
 }
 
+// The backward's coefficients at index i from fp32 G = dY U and P = x V and the code c, rounded to the
+// operands' dtype as the composed PyTorch backward rounds them: s G ⊙ c (for dV), s P ⊙ c (for dU) and
+// s G ⊙ P (dcodes).
+template <typename T>
+__device__ __forceinline__ void store_coefficients(float G, float P, float c, float scale, size_t i, T* g_c, T* p_c,
+                                                   T* g_p) {
+  const float g = scale * G;
+  g_c[i] = from_acc<T>(g * c);
+  p_c[i] = from_acc<T>(scale * P * c);
+  g_p[i] = from_acc<T>(g * P);
+}
+
 // ---- register-direct tensor-core helpers (mma.sync m16n8k16, sm_80+) ----
 //
 // A 16-byte load of 8 consecutive k values per thread feeds two m16n8k16 steps directly from

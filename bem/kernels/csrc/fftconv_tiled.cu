@@ -103,6 +103,21 @@ __global__ void __launch_bounds__(2 * kRowThreads, 1) tiled_rows_kernel(const Ti
     sincospif(-(float)k / (float)M, &s, &c);
     return make_float2(c, s);
   };
+  struct PairSlots {
+    float2 *a, *b;
+    float2 W;
+    Untangled X;
+  };
+  auto open_pair = [&](int sa, int sb, int k) {  // a pair's slots, its twiddle and its real bins k and M - k
+    float2* const a = slot_at(sa);
+    float2* const b = slot_at(sb);
+    const float2 W = root_2M(k);
+    return PairSlots{a, b, W, untangle(*a, *b, W)};
+  };
+  auto store_pair = [&](float2* a, float2* b, int k, const Untangled& Z) {  // the inverse's inputs at k and M - k
+    *a = Z.k;
+    if (M - k != k && k != 0) *b = Z.kp;  // bin M/2 pairs with itself; slot 0 holds bins 0 and M
+  };
   auto forward_rows = [&](const float2* data) {  // ends with a barrier: both rows' bins are in place
     mine.first_pass<false>([&](int n, int) { return data[n]; });
     mine.middle_passes();
@@ -127,20 +142,14 @@ __global__ void __launch_bounds__(2 * kRowThreads, 1) tiled_rows_kernel(const Ti
       float2* spectrum = p.S + (unit % p.H) * (int64_t)(M + 1);
       forward_rows(data);
       for_pairs(pair, M1, [&](int sa, int sb, int k) {
-        float2* const at_a = slot_at(sa);
-        float2* const at_b = slot_at(sb);
-        const int kp = M - k;
-        const float2 W = root_2M(k);
-        const Untangled X = untangle(*at_a, *at_b, W);
+        const PairSlots q = open_pair(sa, sb, k);
         const int64_t ga = global_of(sa), gb = k == 0 ? M : global_of(sb);
         if (kMode == TiledRows::kSpectrum) {
-          spectrum[ga] = cscale(X.k, 0.5f);
-          if (kp != k) spectrum[gb] = cscale(X.kp, 0.5f);
+          spectrum[ga] = cscale(q.X.k, 0.5f);
+          if (M - k != k) spectrum[gb] = cscale(q.X.kp, 0.5f);
           return;
         }
-        const Untangled Z = retangle(cmul(X.k, spectrum[ga]), cmul(X.kp, spectrum[gb]), W);
-        *at_a = Z.k;
-        if (kp != k && k != 0) *at_b = Z.kp;
+        store_pair(q.a, q.b, k, retangle(cmul(q.X.k, spectrum[ga]), cmul(q.X.kp, spectrum[gb]), q.W));
       });
       // kSpectrum: the next item's first pass reads global memory, then waits before writing
       if (kMode == TiledRows::kConv) inverse_rows_into(data, k1);
@@ -167,11 +176,9 @@ __global__ void __launch_bounds__(2 * kRowThreads, 1) tiled_rows_kernel(const Ti
         }
         forward_rows(G + (int64_t)k1 * kRowLength);
         for_pairs(pair, M1, [&](int sa, int sb, int k) {
-          float2* const at_a = slot_at(sa);
-          float2* const at_b = slot_at(sb);
+          const PairSlots q = open_pair(sa, sb, k);
+          const Untangled& X = q.X;
           const int kp = M - k;
-          const float2 W = root_2M(k);
-          const Untangled X = untangle(*at_a, *at_b, W);
           const int64_t ga = global_of(sa), gb = global_of(sb);
           if (p.acc) {  // dk's sum of G conj(V) (bins 0 and M real, in slot 0)
             if (k == 0) {
@@ -188,9 +195,7 @@ __global__ void __launch_bounds__(2 * kRowThreads, 1) tiled_rows_kernel(const Ti
             }
           }
           if (!p.grads) return;
-          const Untangled Z = retangle(cmulc(X.k, spectrum[ga]), cmulc(X.kp, spectrum[k == 0 ? M : gb]), W);
-          *at_a = Z.k;
-          if (kp != k && k != 0) *at_b = Z.kp;
+          store_pair(q.a, q.b, k, retangle(cmulc(X.k, spectrum[ga]), cmulc(X.kp, spectrum[k == 0 ? M : gb]), q.W));
         });
         if (p.grads) inverse_rows_into(G + (int64_t)k1 * kRowLength, k1);
         __syncthreads();  // the next batch row's transforms write shared memory
@@ -198,11 +203,8 @@ __global__ void __launch_bounds__(2 * kRowThreads, 1) tiled_rows_kernel(const Ti
     } else {  // kCorrInverse: acc's bins, doubled twice (2G conj 2V), through the inverse
       float2* acc = p.work + unit * M;
       for_pairs(pair, M1, [&](int sa, int sb, int k) {
-        const int kp = M - k;
         const Untangled Y = k == 0 ? unpack_real_pair(acc[0]) : Untangled{acc[global_of(sa)], acc[global_of(sb)]};
-        const Untangled Z = retangle(Y.k, Y.kp, root_2M(k));
-        *slot_at(sa) = Z.k;
-        if (kp != k && k != 0) *slot_at(sb) = Z.kp;
+        store_pair(slot_at(sa), slot_at(sb), k, retangle(Y.k, Y.kp, root_2M(k)));
       });
       inverse_rows_into(acc + (int64_t)k1 * kRowLength, k1);
       __syncthreads();  // acc's rows are read before the next item's pairs write shared memory

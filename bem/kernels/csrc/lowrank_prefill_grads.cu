@@ -71,12 +71,10 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_coefficients_kernel(Prefi
     float G = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) G += zbuf[(w * kTokens + tok) * kLd + j];
-    // as the composed backward's coefficient kernel (scale_codes.cu) rounds them
     const size_t at = (size_t)gm * r + j;
-    const float c = codes ? to_acc(codes[at]) : 1.f, g = a.scale * G, p = psum[e];
-    static_cast<T*>(a.low)[at] = from_acc<T>(g * c);
-    static_cast<T*>(a.pc)[at] = from_acc<T>(a.scale * p * c);
-    static_cast<T*>(a.dcodes)[at] = from_acc<T>(g * p);
+    const float c = codes ? to_acc(codes[at]) : 1.f;
+    store_coefficients<T>(G, psum[e], c, a.scale, at, static_cast<T*>(a.low), static_cast<T*>(a.pc),
+                          static_cast<T*>(a.dcodes));
   }
 }
 

@@ -26,10 +26,8 @@ __global__ void backward_coefficients_kernel(const float* G, const float* P, con
                                              T* g_p, int64_t count, float scale) {
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) {
-    const float c = codes ? to_acc(codes[i]) : 1.f, g = scale * G[i], p = P[i];
-    g_c[i] = from_acc<T>(g * c);
-    p_c[i] = from_acc<T>(scale * p * c);
-    g_p[i] = from_acc<T>(g * p);
+    const float c = codes ? to_acc(codes[i]) : 1.f;
+    store_coefficients<T>(G[i], P[i], c, scale, i, g_c, p_c, g_p);
   }
 }
 
