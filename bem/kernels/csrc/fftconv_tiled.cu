@@ -289,7 +289,7 @@ cudaError_t launch_tiled_epilogue(Dtype dtype, const float2* work, const RowsArg
 
 cudaError_t launch_tiled_conv(const float2* work, float* out, int64_t stride, int64_t rows, int L, int M,
                               cudaStream_t stream) {
-  return launch_inverse(work, rows, M, ConvOut{out, stride, L, inverse_scale(M)}, stream);
+  return launch_inverse(work, rows, M, FloatRowsOut{out, stride, L, inverse_scale(M)}, stream);
 }
 
 cudaError_t launch_tiled_input_grads(Dtype dtype, const float2* work, const RowsArgs& rows, const float* g_rows,
@@ -302,7 +302,7 @@ cudaError_t launch_tiled_input_grads(Dtype dtype, const float2* work, const Rows
 
 cudaError_t launch_tiled_correlation(const float2* acc, float* dk, int H, int taps, int M, cudaStream_t stream) {
   // acc holds 2G conj 2V: half of the doubled products the other outputs are scaled for
-  return launch_inverse(acc, H, M, CorrelationOut{dk, taps, 0.5f * inverse_scale(M)}, stream);
+  return launch_inverse(acc, H, M, FloatRowsOut{dk, taps, taps, 0.5f * inverse_scale(M)}, stream);
 }
 
 }  // namespace fftconv

@@ -187,16 +187,17 @@ struct ForwardOut {
   }
 };
 
-// the convolution alone into float32 rows of `stride` (the backward's activation pass adds D v)
-struct ConvOut {
+// Float32 rows of `stride`, the first `limit` values of each scaled: the convolution alone (the backward's
+// activation pass adds D v; stride 2M, limit L) and dk's correlation (a row per h; stride and limit taps).
+struct FloatRowsOut {
   float* out;
   int64_t stride;
-  int L;
+  int limit;
   float scale;
   using Row = float*;
   BEM_FFT_FN Row row(int64_t row) const { return out + row * stride; }
-  BEM_FFT_FN void operator()(Row w, int m, float conv) const {
-    if (m < L) w[m] = conv * scale;
+  BEM_FFT_FN void operator()(Row w, int m, float value) const {
+    if (m < limit) w[m] = value * scale;
   }
 };
 
@@ -228,18 +229,6 @@ struct InputGradOut {
     }
     if (r.du) static_cast<T*>(r.du)[at] = from_f<T>(pre ? dv * to_f(pre[at]) : dv);
     if (r.dpregate) static_cast<T*>(r.dpregate)[at] = from_f<T>(dv * to_f(u[at]));
-  }
-};
-
-// dk's correlation: the first `taps` lags of each head's row
-struct CorrelationOut {
-  float* dk;
-  int taps;
-  float scale;
-  using Row = float*;
-  BEM_FFT_FN Row row(int64_t h) const { return dk + h * taps; }
-  BEM_FFT_FN void operator()(Row w, int m, float corr) const {
-    if (m < taps) w[m] = corr * scale;
   }
 };
 
