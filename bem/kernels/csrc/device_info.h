@@ -1,4 +1,5 @@
-// What the bindings ask of the device: multiprocessors, compute capability, whether sm_90a code runs.
+// What the bindings ask of the device: multiprocessors, compute capability, shared memory, whether sm_90a code
+// runs.
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
@@ -12,21 +13,37 @@
 
 namespace bem {
 
-// A device attribute, read once per device (decode calls are host-bound: no driver query per call).
+// A device attribute, read once per device (decode calls and the fftconv step are host-bound: no driver query per
+// call). Only the attributes cached here may be asked for.
 inline int device_attribute(cudaDeviceAttr attribute, int device) {
+  struct Cached {
+    int sms = 0, cc_major = 0, shared_memory_optin = 0;
+  };
   static std::mutex lock;
-  static std::vector<std::pair<int, int>> cache;  // (multiprocessors, compute capability major)
+  static std::vector<Cached> cache;
   std::lock_guard<std::mutex> guard(lock);
-  if (device >= (int)cache.size()) cache.resize(device + 1, {0, 0});
-  if (cache[device].first == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&cache[device].first, cudaDevAttrMultiProcessorCount, device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&cache[device].second, cudaDevAttrComputeCapabilityMajor, device));
+  if (device >= (int)cache.size()) cache.resize(device + 1);
+  Cached& c = cache[device];
+  if (c.sms == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&c.sms, cudaDevAttrMultiProcessorCount, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&c.cc_major, cudaDevAttrComputeCapabilityMajor, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&c.shared_memory_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   }
-  return attribute == cudaDevAttrMultiProcessorCount ? cache[device].first : cache[device].second;
+  switch (attribute) {
+    case cudaDevAttrMultiProcessorCount: return c.sms;
+    case cudaDevAttrComputeCapabilityMajor: return c.cc_major;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: return c.shared_memory_optin;
+    default: BEM_CHECK(false, "device attribute ", (int)attribute, " is not one device_info.h caches");
+  }
+  return 0;
 }
 
 inline int num_sms(int device) { return device_attribute(cudaDevAttrMultiProcessorCount, device); }
 inline int cc_major(int device) { return device_attribute(cudaDevAttrComputeCapabilityMajor, device); }
+// The shared memory a block may opt in to (the fftconv kernels of long rows need more than the default 48 KB).
+inline int shared_memory_optin(int device) {
+  return device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+}
 
 // Whether this build has its sm_90a kernels (the GEMM with the update inside, the TMA update kernel)
 // for the device: sm_90a code on a compute capability 9.0 GPU.

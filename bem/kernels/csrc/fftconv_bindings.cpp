@@ -1,84 +1,20 @@
 // Torch bindings of the fftconv op family: every argument checked, naming the operand (ValueError, or
 // TypeError for a dtype), before anything is allocated or launched; the choice between the block kernels
-// (L <= 16384), the four-step form (up to 2^20) and cuFFT around the element-wise kernels (above); allocation;
-// every launch checked.
-#include <torch/extension.h>
-
+// (L <= 16384), the four-step form (up to 2^20, its host side in fftconv_tiled_ops.cpp) and cuFFT around the
+// element-wise kernels (above); allocation; every launch checked.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
 #include <climits>
-#include <mutex>
 #include <stdexcept>
 #include <vector>
 
-#include "fftconv.h"
+#include "fftconv_host.h"
 
 namespace bem {
+namespace fftconv_host {
 namespace {
-
-namespace fc = fftconv;
-using at::Tensor;
-using OptTensor = c10::optional<Tensor>;
-
-#define FFTCONV_CHECK(cond, ...) \
-  if (!(cond)) throw std::invalid_argument(c10::str("bem fftconv: ", __VA_ARGS__))
-#define FFTCONV_CHECK_DTYPE(cond, ...) \
-  if (!(cond)) throw pybind11::type_error(c10::str("bem fftconv: ", __VA_ARGS__))
-
-fc::Dtype dtype_of(const Tensor& t, const char* name) {
-  switch (t.scalar_type()) {
-    case at::kHalf: return fc::Dtype::kHalf;
-    case at::kBFloat16: return fc::Dtype::kBFloat16;
-    case at::kFloat: return fc::Dtype::kFloat;
-    default: break;
-  }
-  FFTCONV_CHECK_DTYPE(false, name, " must be float16, bfloat16 or float32 for the kernels, got ", t.scalar_type());
-  return fc::Dtype::kFloat;
-}
-
-void check_on(const Tensor& t, const char* name, const Tensor& u) {
-  FFTCONV_CHECK(t.device() == u.device(), name, " is on ", t.device(), " but u is on ", u.device());
-  FFTCONV_CHECK(t.is_contiguous(), name, " must be contiguous; got sizes ", t.sizes(), " strides ", t.strides());
-}
-
-// A device attribute, read once per device (the step is called per token: no driver query per call).
-int device_attribute(cudaDeviceAttr attribute, int device) {
-  static std::mutex lock;
-  static std::vector<std::pair<int, int>> cache;  // (multiprocessors, shared memory a block may opt in to)
-  std::lock_guard<std::mutex> guard(lock);
-  if (device >= (int)cache.size()) cache.resize(device + 1, {0, 0});
-  if (cache[device].first == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&cache[device].first, cudaDevAttrMultiProcessorCount, device));
-    C10_CUDA_CHECK(
-        cudaDeviceGetAttribute(&cache[device].second, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  }
-  return attribute == cudaDevAttrMultiProcessorCount ? cache[device].first : cache[device].second;
-}
-
-int num_sms(int device) { return device_attribute(cudaDevAttrMultiProcessorCount, device); }
-
-// The block kernels take spectrum lengths up to 16384 where a block's shared memory fits the device.
-bool block_path(int64_t M, int device) {
-  return M <= fc::kMaxBlockSpectrum &&
-         fc::block_smem_bytes((int)M) <= device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-}
-
-// The four-step forward takes 16384 < M <= 2^20 where its rows kernel's shared memory fits the device.
-bool tiled_path(int64_t M, int device) {
-  return fc::tiled_length(M) &&
-         fc::tiled_rows_smem_bytes() <= device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-}
-
-cudaStream_t stream_now() { return c10::cuda::getCurrentCUDAStream().stream(); }
-
-const void* ptr(const OptTensor& t) { return t.has_value() ? t->data_ptr() : nullptr; }
-
-struct Shape {
-  int64_t B, H, L, Lk, M, taps;
-  fc::Dtype dtype;
-};
 
 // u: (B, H, L) on CUDA; k: (H, Lk); D: (H,); gates: u's shape and dtype; all contiguous, on u's device.
 Shape check_operands(const Tensor& u, const Tensor& k, const OptTensor& D, const OptTensor& pregate,
@@ -116,12 +52,6 @@ OptTensor float32(const OptTensor& t) {
   if (!t.has_value()) return c10::nullopt;
   return t->scalar_type() == at::kFloat ? *t : t->to(at::kFloat);
 }
-
-// float2 rows of M for the four-step passes
-Tensor tiled_work(int64_t rows, int64_t M, const Tensor& like) {
-  return at::empty({rows, M}, like.options().dtype(at::kComplexFloat));
-}
-float2* f2(const Tensor& t) { return reinterpret_cast<float2*>(t.data_ptr()); }
 
 // S = rfft(k[:, :taps], n = 2M): complex64 (H, M + 1); in the four-step order where that path runs (fftconv.h)
 Tensor compute_spectrum(const Tensor& k, int64_t taps, int64_t M) {
@@ -172,53 +102,6 @@ Tensor fftconv_spectrum(const Tensor& k, int64_t L) {
   return compute_spectrum(k, std::min<int64_t>(k.size(1), L), fc::spectrum_length(L));
 }
 
-// S in rfft's order: the four-step order's first M bins are the natural order's (M2, M1) block transposed
-Tensor natural_spectrum(const Tensor& S, int64_t M, int device) {
-  if (!tiled_path(M, device)) return S;
-  const int64_t H = S.size(0), M2 = fc::kTiledRowLength;
-  return at::cat({S.narrow(1, 0, M).view({H, M / M2, M2}).transpose(1, 2).reshape({H, M}), S.narrow(1, M, 1)}, 1);
-}
-
-int log2_of(int64_t power_of_two) {
-  int bits = 0;
-  while (((int64_t)1 << bits) < power_of_two) ++bits;
-  return bits;
-}
-
-fc::RowsArgs rows_args(const Shape& s, const Tensor& u, const OptTensor& pregate, const OptTensor& postgate,
-                       const OptTensor& D32, bool gelu) {
-  fc::RowsArgs r{};
-  r.u = u.data_ptr();
-  r.pregate = ptr(pregate);
-  r.postgate = ptr(postgate);
-  r.D = D32.has_value() ? D32->data_ptr<float>() : nullptr;
-  r.rows = s.B * s.H;
-  r.H = (int)s.H;
-  r.L = (int)s.L;
-  r.log2_padded = log2_of(2 * s.M);
-  r.gelu = gelu;
-  return r;
-}
-
-Tensor dk_of(const Tensor& correlation, const Tensor& k) {  // (H, taps) float32 -> (H, Lk) in k's dtype
-  if (correlation.size(1) == k.size(1)) return correlation.to(k.scalar_type());
-  Tensor dk = at::zeros_like(k);
-  dk.narrow(1, 0, correlation.size(1)).copy_(correlation);
-  return dk;
-}
-
-// The four-step convolution of v = u ⊙ pregate with the filter (spectrum S) up to its inverse columns: the
-// columns and the rows (the product and the inverse rows), into new work rows.
-Tensor tiled_convolve(const Shape& s, const Tensor& u, const OptTensor& pregate, const Tensor& S) {
-  const int64_t rows = s.B * s.H;
-  Tensor work = tiled_work(rows, s.M, u);
-  C10_CUDA_CHECK(fc::launch_tiled_columns(s.dtype, u.data_ptr(), ptr(pregate), s.L, (int)s.L, rows, (int)s.M,
-                                          f2(work), stream_now()));
-  const fc::TiledRowsArgs args{f2(work), f2(S), nullptr, nullptr, rows, (int)s.B, (int)s.H, (int)s.M, false};
-  C10_CUDA_CHECK(fc::launch_tiled_rows(fc::TiledRows::kConv, args, num_sms(u.get_device()), stream_now()));
-  return work;
-}
-
 // (y, S'): S' the spectrum this call computed where M <= kMaxBlockSpectrum (the backward reuses it), else
 // empty (a spectrum was given, or it is too large to hold until the backward).
 std::vector<Tensor> fftconv_forward(const Tensor& u, const Tensor& k, const OptTensor& D, const OptTensor& pregate,
@@ -258,69 +141,6 @@ std::vector<Tensor> fftconv_forward(const Tensor& u, const Tensor& k, const OptT
   V.reset();
   C10_CUDA_CHECK(fc::launch_forward_epilogue(s.dtype, conv.data_ptr<float>(), r, stream_now()));
   return {y, kept};
-}
-
-// dD = sum over b and t of g v, per h: double sums over chunks of each row, then over b and the chunks.
-Tensor dD_sum(const Shape& s, const fc::RowsArgs& r, const float* g_rows, int64_t g_stride, const Tensor& D) {
-  const int chunks = (int)std::min<int64_t>(32, (s.L + 4095) / 4096);
-  Tensor part = at::empty({s.B, s.H, chunks}, D.options().dtype(at::kDouble));
-  C10_CUDA_CHECK(fc::launch_dD_parts(s.dtype, g_rows, g_stride, r, part.data_ptr<double>(), chunks, stream_now()));
-  return part.sum(at::IntArrayRef{0, 2}).to(D.scalar_type());
-}
-
-// The backward for 16384 < M <= 2^20 in the four-step form: g's rows (from the activation pass, or dy ⊙ postgate)
-// and v's rows through the columns; one rows launch per h over its batch rows (V's bins, the sum of G conj V,
-// G conj S through the inverse); the inverse columns into du and dpregate; dk from the sum's inverse; dD from
-// dD_sum.
-void tiled_backward(const Shape& s, const Tensor& u, const Tensor& grad_y, const OptTensor& pregate,
-                    const OptTensor& postgate, const OptTensor& D, const Tensor& S, const fc::RowsArgs& r,
-                    bool need_c, bool need_inputs, bool need_k, bool need_D, const Tensor& k, Tensor& dk,
-                    Tensor& dD) {
-  const int M = (int)s.M, sms = num_sms(u.get_device());
-  const int64_t rows = r.rows, padded = 2 * s.M;
-  const auto f32 = u.options().dtype(at::kFloat);
-  Tensor work_g;
-  Tensor g;  // float32 rows of 2M, from the activation pass
-  if (need_c) {  // c again through the forward's passes, then g (and dpostgate) from it
-    work_g = tiled_convolve(s, u, pregate, S);
-    Tensor c = at::empty({rows, padded}, f32);
-    C10_CUDA_CHECK(fc::launch_tiled_conv(f2(work_g), c.data_ptr<float>(), padded, rows, (int)s.L, M, stream_now()));
-    g = at::empty({rows, padded}, f32);
-    C10_CUDA_CHECK(fc::launch_activation_backward(s.dtype, c.data_ptr<float>(), g.data_ptr<float>(), r,
-                                                  stream_now()));
-    c.reset();
-    C10_CUDA_CHECK(fc::launch_tiled_columns(fc::Dtype::kFloat, g.data_ptr(), nullptr, padded, (int)s.L, rows, M,
-                                            f2(work_g), stream_now()));
-  } else {
-    work_g = tiled_work(rows, s.M, u);
-    C10_CUDA_CHECK(fc::launch_tiled_columns(s.dtype, grad_y.data_ptr(), ptr(postgate), s.L, (int)s.L, rows, M,
-                                            f2(work_g), stream_now()));
-  }
-  if (need_D) dD = dD_sum(s, r, need_c ? g.data_ptr<float>() : nullptr, padded, *D);
-  if (!need_inputs && !need_k) return;
-  Tensor work_v, acc;
-  if (need_k) {
-    work_v = tiled_work(rows, s.M, u);
-    C10_CUDA_CHECK(fc::launch_tiled_columns(s.dtype, u.data_ptr(), ptr(pregate), s.L, (int)s.L, rows, M,
-                                            f2(work_v), stream_now()));
-    acc = tiled_work(s.H, s.M, u);
-  }
-  const fc::TiledRowsArgs grad{f2(work_g), f2(S), need_k ? f2(work_v) : nullptr, need_k ? f2(acc) : nullptr,
-                               rows, (int)s.B, (int)s.H, M, need_inputs};
-  C10_CUDA_CHECK(fc::launch_tiled_rows(fc::TiledRows::kGrad, grad, sms, stream_now()));
-  work_v.reset();
-  if (need_inputs) {
-    C10_CUDA_CHECK(fc::launch_tiled_input_grads(s.dtype, f2(work_g), r, need_c ? g.data_ptr<float>() : nullptr,
-                                                padded, M, stream_now()));
-  }
-  if (need_k) {
-    const fc::TiledRowsArgs inverse{f2(acc), nullptr, nullptr, nullptr, s.H, (int)s.B, (int)s.H, M, false};
-    C10_CUDA_CHECK(fc::launch_tiled_rows(fc::TiledRows::kCorrInverse, inverse, sms, stream_now()));
-    Tensor dk_part = at::empty({s.H, s.taps}, f32);
-    C10_CUDA_CHECK(fc::launch_tiled_correlation(f2(acc), dk_part.data_ptr<float>(), (int)s.H, (int)s.taps, M,
-                                                stream_now()));
-    dk = dk_of(dk_part, k);
-  }
 }
 
 std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, const Tensor& k, const OptTensor& D,
@@ -525,9 +345,12 @@ Tensor fftconv_step(const Tensor& history, const Tensor& u_t, const Tensor& k, c
 }
 
 }  // namespace
+}  // namespace fftconv_host
 
 void bind_fftconv(pybind11::module_& m) {
   namespace py = pybind11;
+  namespace fc = fftconv;
+  using namespace fftconv_host;
   m.def("fftconv_spectrum", &fftconv_spectrum,
         "S = rfft(k[:, :L], n = 2M), complex64 (H, M + 1), in the order the forward reads (fftconv.h)", py::arg("k"),
         py::arg("L"));

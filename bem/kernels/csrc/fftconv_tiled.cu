@@ -15,7 +15,7 @@
 // The filter's spectrum for these lengths is kept in the same order: S[h][k1 M2 + k2] = X[k1 + M1 k2] for
 // k < M, S[h][M] = X[M] (the natural order's (M2, M1) block, transposed).
 //
-// The backward (tiled_backward, fftconv_bindings.cpp) takes the same passes over g's and v's rows; its rows
+// The backward (tiled_backward, fftconv_tiled_ops.cpp) takes the same passes over g's and v's rows; its rows
 // launch loops over one head's batch rows, keeping V's bins, summing G conj(V) for dk and sending G conj(S)
 // through the inverse for du.
 #include "fftconv_tiled_columns.cuh"

@@ -43,7 +43,8 @@ def _dev_module() -> Optional[ModuleType]:
     from torch.utils.cpp_extension import load
 
     root = Path(__file__).resolve().parents[3]
-    bindings = [str(loader.CSRC / "fftconv_bindings.cpp"), str(root / "scripts" / "fftconv_dev_module.cpp")]
+    bindings = [str(loader.CSRC / name) for name in ("fftconv_bindings.cpp", "fftconv_tiled_ops.cpp")]
+    bindings.append(str(root / "scripts" / "fftconv_dev_module.cpp"))
     verbose = os.environ.get("BEM_JIT_VERBOSE") == "1"
     objects = os.environ.get("BEM_FFTCONV_DEV_OBJECTS")
     if objects:
