@@ -41,6 +41,18 @@ template <> __device__ __forceinline__ __half tile_f<__half>(float v) {
   return __float2half_rn(fabsf(v) > kMax ? copysignf(kMax, v) : v);
 }
 
+// Two adjacent elements (x at `at`, y after it) as one 4- or 8-byte store: `at` an even element of a row.
+template <typename T> __device__ __forceinline__ void store2(T* at, T x, T y) {
+  if constexpr (sizeof(T) == 2) {
+    const T pair[2] = {x, y};
+    uint32_t packed;
+    memcpy(&packed, pair, sizeof(packed));
+    *reinterpret_cast<uint32_t*>(at) = packed;
+  } else {
+    *reinterpret_cast<float2*>(at) = make_float2(x, y);
+  }
+}
+
 template <typename T> __device__ __forceinline__ float load_gate(const void* p, bool fp32, int64_t index) {
   return fp32 ? static_cast<const float*>(p)[index] : to_f(static_cast<const T*>(p)[index]);
 }

@@ -15,18 +15,6 @@ namespace {
 
 using namespace mlstm;
 
-// Two adjacent elements (x at `at`, y after it) as one 4- or 8-byte store: `at` an even element of a row.
-template <typename T> __device__ __forceinline__ void store2(T* at, T x, T y) {
-  if constexpr (sizeof(T) == 2) {
-    const T pair[2] = {x, y};
-    uint32_t packed;
-    memcpy(&packed, pair, sizeof(packed));
-    *reinterpret_cast<uint32_t*>(at) = packed;
-  } else {
-    *reinterpret_cast<float2*>(at) = make_float2(x, y);
-  }
-}
-
 // Two phases, so that the block computes while its later tiles arrive and its two accumulators are never live
 // at once: Q Kᵀ (and q·n) over DK with C's first rows and V in flight, then P; then Q C_c over DK and P V.
 // 16-bit inputs: at most 128 registers, so that four blocks fit on a multiprocessor (the kernel waits on

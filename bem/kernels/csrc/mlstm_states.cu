@@ -101,14 +101,6 @@ __device__ __forceinline__ void scaled_key_mma(float (&acc)[NT][4], const T* key
   }
 }
 
-template <typename StateT> __device__ __forceinline__ void store_pair(StateT* out, float x, float y);
-template <> __device__ __forceinline__ void store_pair<float>(float* out, float x, float y) {
-  *reinterpret_cast<float2*>(out) = make_float2(x, y);
-}
-template <> __device__ __forceinline__ void store_pair<__nv_bfloat16>(__nv_bfloat16* out, float x, float y) {
-  *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(x, y);
-}
-
 constexpr int kStages = 3;  // chunks whose tiles are in shared memory at once: this one and two ahead
 constexpr int kWeightBytes = 2 * L * (int)sizeof(float);  // a chunk's weights: 64 GateT, or 64 + 64 float
 
@@ -256,7 +248,7 @@ __global__ void __launch_bounds__(kThreads) mlstm_states_kernel(const MlstmState
       for (int h = 0; h < 2; ++h) {
         StateT* at = out + state_at[nt][h];
         if (store_pairs[nt][h]) {
-          store_pair(at, acc[nt][2 * h], acc[nt][2 * h + 1]);
+          store2(at, from_f<StateT>(acc[nt][2 * h]), from_f<StateT>(acc[nt][2 * h + 1]));
         } else if (row_in[h]) {
           if (dv_of(nt) < sh.DV) at[0] = from_f<StateT>(acc[nt][2 * h]);
           if (dv_of(nt) + 1 < sh.DV) at[1] = from_f<StateT>(acc[nt][2 * h + 1]);
