@@ -34,7 +34,8 @@ template <int MT, int RT, bool WT> struct DecodeLayout {
   static constexpr int z_ld = MP + 4;
   static constexpr int z_bytes = round_up(RP * z_ld * 4, 128);
   static constexpr int b2_ld = MP + kPad;
-  static constexpr int b2_bytes = round_up(RP * b2_ld * 2, 128);
+  static constexpr int b2_half = round_up(RP * b2_ld * 2, 128);  // one part of s (X V) ⊙ c
+  static constexpr int b2_bytes = 2 * b2_half;                      // its high and low parts
   static constexpr int u_ld = RP + kPad;
   static constexpr int u_bytes = round_up(kBN * u_ld * 2, 128);
   static constexpr int y_ld = kBN + 4;
@@ -188,6 +189,7 @@ __global__ void __launch_bounds__(kThreads) decode_linear_kernel(DecodeArgs p, D
   // Epilogue: (X V)^T partial -> zs; s * zs ⊙ c^T -> b2 (as T); U tile -> us; acc += us · b2.
   float* zs = reinterpret_cast<float*>(smem);
   T* b2 = reinterpret_cast<T*>(smem + Lay::z_bytes);
+  T* b2_low = reinterpret_cast<T*>(smem + Lay::z_bytes + Lay::b2_half);
   T* us = reinterpret_cast<T*>(smem + Lay::z_bytes + Lay::b2_bytes);
   float* ys = reinterpret_cast<float*>(smem + Lay::z_bytes + Lay::b2_bytes + Lay::u_bytes);
   if (owns_v) {
@@ -206,7 +208,12 @@ __global__ void __launch_bounds__(kThreads) decode_linear_kernel(DecodeArgs p, D
     const float z = zs[j * Lay::z_ld + m];
     const bool valid = m < M && j < r;
     const float c = valid ? (codes ? to_acc(codes[(size_t)m * r + j]) : 1.f) : 0.f;
-    b2[j * Lay::b2_ld + m] = from_acc<T>(p.scale * z * c);
+    // High and low parts (to 16 bits of mantissa): with K split, z is a partial sum, and rounding each
+    // split's partial to T alone added one rounding a split to the update.
+    const float coef = p.scale * z * c;
+    const T high = from_acc<T>(coef);
+    b2[j * Lay::b2_ld + m] = high;
+    b2_low[j * Lay::b2_ld + m] = from_acc<T>(coef - to_acc(high));
     if (tile == 0 && valid && p.P) {  // P (x V, for the backward) is skipped at inference
       if (partial) p.ws_p[((size_t)split * M + m) * r + j] = z;
       else p.P[(size_t)m * r + j] = z;
@@ -220,6 +227,8 @@ __global__ void __launch_bounds__(kThreads) decode_linear_kernel(DecodeArgs p, D
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
+      wmma::load_matrix_sync(b, b2_low + t * 16 * Lay::b2_ld + mt * 16, Lay::b2_ld);
+      wmma::mma_sync(acc[mt], a, b, acc[mt]);
       wmma::load_matrix_sync(b, b2 + t * 16 * Lay::b2_ld + mt * 16, Lay::b2_ld);
       wmma::mma_sync(acc[mt], a, b, acc[mt]);
     }
