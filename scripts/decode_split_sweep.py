@@ -11,8 +11,8 @@ that keeps at least 64 columns of K a block and runs in one wave (`decode_stream
 answers: which kernel, and which split, is fastest where the matrix is small?
 
 With --conv1d the weights are stored (K, N) as GPT-2's Conv1D holds them (default shapes: GPT-2's), and the
-`k/s` columns are the transposed-weight kernel at each cluster size. The last two columns are cuBLAS with the
-update kernel (modes 2 and 3).
+`k/s` columns are the transposed-weight kernel at each cluster size, and the `mma` ones its tensor-core form
+(mode 10). The `gemm, upd` and `upd, gemm` columns are cuBLAS with the update kernel (modes 2 and 3).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from bem.kernels import bench, custom_ops, ops
 
 SCALING = 0.5
-STREAM, TILES, ROWS, TMA = 1, 5, 8, 9  # linear modes: the streaming, tiles, row-split and TMA decode kernels
+STREAM, TILES, ROWS, TMA, COLUMNS_MMA = 1, 5, 8, 9, 10  # linear modes: the streaming, tiles, row-split, TMA and
+# tensor-core transposed-weight decode kernels
 GEMM_THEN_UPDATE, UPDATE_THEN_GEMM = 2, 3  # cuBLAS, then the update kernel adds; the update, then cuBLAS adds
 
 
@@ -63,6 +64,10 @@ def sweep_row(M: int, K: int, N: int, r: int, l2_bytes: int, conv1d: bool) -> di
     }
     for split in (1, 2, 4, 8):
         variants[f"stream k/{split}"] = linear(STREAM, split)
+    if conv1d:
+        variants["mma"] = linear(COLUMNS_MMA)
+        for split in (1, 2, 4, 8):
+            variants[f"mma k/{split}"] = linear(COLUMNS_MMA, split)
     if not conv1d:  # above its K limit the row-split kernel refuses, and is left out below
         variants["rows"] = linear(ROWS)
         variants["tma"] = linear(TMA)
@@ -96,6 +101,8 @@ def main() -> None:
              "upd, gemm"]
     if not args.conv1d:
         names += ["tma", "tma k/1", "tma k/2", "tma k/4", "tma k/8"]
+    else:
+        names += ["mma", "mma k/1", "mma k/2", "mma k/4", "mma k/8"]
     print(f"{'M x K x N x r':<20}{'F.linear µs':>12}" + "".join(f"{n:>12}" for n in names))
     for M, K, N, r in shapes:
         times = sweep_row(M, K, N, r, l2_bytes, args.conv1d)

@@ -325,8 +325,8 @@ def test_linear_forward_with_a_given_v_transposed_equals_the_copying_call(mode, 
 @pytest.mark.skipif(not KERNELS_AVAILABLE, reason="needs the CUDA extension")
 @pytest.mark.parametrize("M", [5, 8, 16])
 def test_a_transposed_weight_above_four_tokens_captured_or_not_equals_the_reference(M):
-    """A Conv1D-layout weight (a transposed view) above the columns kernel's 4 tokens: eagerly the tiles kernel,
-    captured into a CUDA graph cuBLAS after the update kernel; both give the float64 reference."""
+    """A Conv1D-layout weight (a transposed view) above the columns kernel's 4 tokens, eagerly and captured into
+    a CUDA graph (the tensor-core kernel for that layout, rank 8): both give the float64 reference."""
     from bem.kernels import custom_ops
 
     K, N, r = 264, 392, 8

@@ -135,10 +135,15 @@ def test_captured_decode_dispatch_takes_the_tma_kernel_from_k_2048(M, K, N, kern
     ref = linear_ref64(x, W, b, V, c, U, 1.25)
     torch_err = rel_err(reference.bem_linear(x, W, b, V, c, U, 1.25), ref)
 
-    def call():
-        return custom_ops._C.linear_forward(x, W, b, V, c, U, 1.25, 0, 0, False)[0]
+    out, dump = captured_replay(lambda: custom_ops._C.linear_forward(x, W, b, V, c, U, 1.25, 0, 0, False)[0], tmp_path)
+    assert kernel in dump
+    assert rel_err(out, ref) <= bound(torch_err, torch.bfloat16)
 
-    call()  # outside the capture first: the build's sm_90a probe runs here
+
+def captured_replay(call, tmp_path) -> tuple[torch.Tensor, str]:
+    """`call` once eagerly (the build's sm_90a probe runs there), then captured into a CUDA graph whose output is
+    poisoned and replayed: (the replay's output, the graph's own dump, which names its kernels)."""
+    call()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph(keep_graph=True)  # the captured cudaGraph_t stays for the dump
     graph.enable_debug_mode()
@@ -148,8 +153,7 @@ def test_captured_decode_dispatch_takes_the_tma_kernel_from_k_2048(M, K, N, kern
     graph.replay()
     torch.cuda.synchronize()
     graph.debug_dump(str(tmp_path / "graph.dot"))
-    assert kernel in (tmp_path / "graph.dot").read_text()
-    assert rel_err(out, ref) <= bound(torch_err, torch.bfloat16)
+    return out, (tmp_path / "graph.dot").read_text()
 
 
 @hopper
@@ -206,11 +210,14 @@ def test_decode_kernels_read_what_the_kernel_before_them_wrote(graph, K, N, mode
 
 
 @hopper
-@pytest.mark.parametrize("M,N", [(5, 2304), (16, 768), (1, 130)])
-def test_transposed_decode_beyond_the_column_kernel_takes_the_tiles_kernel(M, N):
-    """Five tokens or more, or N not a multiple of 8: the tiles kernel takes the transposed weight, still
-    exact."""
-    x, W, b, V, c, U = operands(M, 768, N, 8, torch.bfloat16, codes=True, seed=stable_seed(M, N, "tiles"))
+@pytest.mark.parametrize("M,N,r,kernel", [(5, 2304, 8, "decode_columns_mma_kernel"),
+                                          (16, 768, 16, "decode_columns_mma_kernel"),
+                                          (1, 130, 8, "decode_linear_kernel"), (6, 130, 8, "decode_linear_kernel"),
+                                          (8, 768, 13, "decode_linear_kernel"), (16, 768, 24, "decode_linear_kernel")])
+def test_transposed_decode_beyond_the_column_kernel(M, N, r, kernel):
+    """Five to sixteen tokens at rank 8 or 16 with N a multiple of 8: the tensor-core kernel for the transposed
+    weight; N not a multiple of 8, or another rank: the tiles kernel. Both exact."""
+    x, W, b, V, c, U = operands(M, 768, N, r, torch.bfloat16, codes=True, seed=stable_seed(M, N, "tiles"))
     W = conv1d_layout(W)
     ref = linear_ref64(x, W, b, V, c, U, 1.25)
     torch_err = rel_err(reference.bem_linear(x, W, b, V, c, U, 1.25), ref)
@@ -218,8 +225,52 @@ def test_transposed_decode_beyond_the_column_kernel_takes_the_tiles_kernel(M, N)
         y, _ = custom_ops._C.linear_forward(x, W, b, V, c, U, 1.25, 1)
         torch.cuda.synchronize()
     names = [event.name for event in prof.events()]
-    assert not any("decode_columns_kernel" in name for name in names) and any("decode_linear_kernel" in n for n in names)
+    assert not any("decode_columns_kernel" in name for name in names) and any(kernel in n for n in names), names
     assert rel_err(y, ref) <= bound(torch_err, torch.bfloat16)
+
+
+@hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("split_k", [0, 1, 2, 4, 8])
+@pytest.mark.parametrize("M,K,N", [(5, 768, 2304), (16, 768, 768), (16, 3072, 768), (9, 1000, 136), (12, 776, 4104),
+                                   (1, 264, 64), (16, 8, 8), (7, 40, 2056), (3, 50000, 16)])
+@pytest.mark.parametrize("r", [8, 16])
+def test_transposed_mma_decode_kernel_matches_float64(dtype, split_k, M, K, N, r):
+    """Mode 10, the tensor-core kernel for a weight stored (K, N): K not a multiple of 16 (the last chunk's rows
+    come in as zeros), slices that leave warps or whole blocks of the cluster without rows (K = 8 over 8 blocks),
+    N from 8 to 4104 (a partial last block of columns), 1 to 16 tokens, ranks 8 and 16, with and without bias
+    and codes; two calls give identical bits (fixed-order sums); the profile names it."""
+    seed = stable_seed(M, K, N, r, split_k, str(dtype), "columns mma")
+    x, W, b, V, c, U = operands(M, K, N, r, dtype, codes=M % 2 == 1, seed=seed)
+    names = decode_calls_agree(x, conv1d_layout(W), b if N % 16 == 8 else None, V, c, U, split_k, mode=10)
+    assert any("decode_columns_mma_kernel" in name for name in names), names
+
+
+@hopper
+@pytest.mark.parametrize("case", ["rank", "row-major", "tokens", "split"])
+def test_transposed_mma_decode_kernel_refuses_what_it_does_not_take(case):
+    """Mode 10 asked for where it does not run: a clear error naming the kernel and its limits, no launch."""
+    r = 13 if case == "rank" else 8
+    M = 17 if case == "tokens" else 4
+    x, W, b, V, c, U = operands(M, 256, 64, r, torch.bfloat16, codes=True, seed=stable_seed(case, "mma refusals"))
+    W = W if case == "row-major" else conv1d_layout(W)
+    split = 3 if case == "split" else 0
+    with pytest.raises(ValueError, match="tensor-core transposed-weight decode kernel"):
+        custom_ops._C.linear_forward(x, W, b, V, c, U, 1.0, 10, split)
+
+
+@hopper
+def test_captured_transposed_decode_takes_the_tensor_core_kernel(tmp_path):
+    """GPT-2's Conv1D at 16 tokens, captured into a CUDA graph (compiled decoding at batch 16): one launch of the
+    tensor-core kernel, where the update kernel and cuBLAS ran before; the replay is exact against float64."""
+    x, W, b, V, c, U = operands(16, 768, 2304, 8, torch.bfloat16, codes=True, seed=stable_seed("captured conv1d"))
+    W = conv1d_layout(W)
+    ref = linear_ref64(x, W, b, V, c, U, 1.25)
+    torch_err = rel_err(reference.bem_linear(x, W, b, V, c, U, 1.25), ref)
+
+    out, dump = captured_replay(lambda: custom_ops._C.linear_forward(x, W, b, V, c, U, 1.25, 0, 0, False)[0], tmp_path)
+    assert "decode_columns_mma_kernel" in dump and "gemm" not in dump.lower()
+    assert rel_err(out, ref) <= bound(torch_err, torch.bfloat16)
 
 
 @hopper

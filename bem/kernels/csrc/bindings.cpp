@@ -38,6 +38,7 @@ enum LinearMode : int64_t {
   kGemmUpdateProjected = 7,  // cuBLAS P = x V, s P ⊙ c (scale_codes.cu), then that GEMM adds (s P ⊙ c) U^T
   kDecodeRows = 8,       // the row-split decode kernel (decode_rows.cu: M <= 16, sm_90, no clusters)
   kDecodeTma = 9,        // the TMA decode kernel (decode_tma.cu: M <= 16, sm_90a, W by tensor-map copies)
+  kDecodeColumnsMma = 10,  // the tensor-core kernel for a transposed weight (decode_columns_mma.cu: M <= 16)
 };
 // Chosen by measurement at prefill sizes (docs/kernels.md).
 constexpr LinearMode kPrefillMode = kUpdateThenGemm;
@@ -251,20 +252,25 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
     // A transposed weight (GPT-2's Conv1D) above the columns kernel's tokens takes the tiles kernel, at 2.4-3.0x
     // F.linear at 8 tokens (H100). Captured into a CUDA graph, where a second launch costs no host time, cuBLAS
     // after the update kernel instead (docs/kernels.md); eagerly the one launch's host time weighs more.
-    mode = M > kDecodeColumnsMaxTokens && !weight.is_contiguous() && capturing_now() ? kUpdateThenGemm : kDecode;
+    // Where the tensor-core transposed-weight kernel takes the call, it does, captured or not.
+    const bool columns_mma = !weight.is_contiguous() && M <= kDecodeColumnsMmaMaxTokens && r % 8 == 0 &&
+                             r <= kDecodeColumnsMmaMaxRank && K % 8 == 0 && N % 8 == 0;
+    mode = M > kDecodeColumnsMaxTokens && !weight.is_contiguous() && capturing_now() && !columns_mma ? kUpdateThenGemm
+                                                                                                      : kDecode;
   } else if (mode == kAuto) {
     const GemmUpdateChoice choice = gemm_update_choice(x, weight, bias, V, U);
     mode = choice == GemmUpdateChoice::kInside      ? kGemmUpdate
            : choice == GemmUpdateChoice::kProjected ? kGemmUpdateProjected
                                                     : kPrefillMode;
   }
-  BEM_CHECK(mode >= kDecode && mode <= kDecodeTma, "unknown linear mode ", mode);
+  BEM_CHECK(mode >= kDecode && mode <= kDecodeColumnsMma, "unknown linear mode ", mode);
   BEM_CHECK(gemm_tile_n == 0 || gemm_tile_n == 128 || gemm_tile_n == 256,
             "gemm_tile_n must be 0 (chosen by shape), 128 or 256, got ", gemm_tile_n);
   if (!tensor_core_dtype(x) || M == 0) mode = kGemmThenUpdate;  // float/double: cuBLAS + simple kernels
   const Tensor* bias_ptr = bias.has_value() ? &*bias : nullptr;
 
-  if (mode == kDecode || mode == kDecodeTiles || mode == kDecodeRows || mode == kDecodeTma) {
+  if (mode == kDecode || mode == kDecodeTiles || mode == kDecodeRows || mode == kDecodeTma ||
+      mode == kDecodeColumnsMma) {
     BEM_CHECK(fits_decode, "the decode kernel takes 1..", kDecodeMaxTokens,
                 " float16/bfloat16 tokens, got M = ", M, " of ", x.scalar_type());
     DecodeArgs args{};
@@ -292,6 +298,12 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
                 kDecodeStreamMaxTokens, " tokens, ranks 1..", kDecodeStreamMaxRank, ", K a multiple of 8 up to ",
                 kDecodeRowsMaxK, " and 16-byte aligned x and weight on a compute capability 9.0 GPU");
       BEM_CHECK(split_k == 0, "the row-split decode kernel does not split K (split_k = 0), got split_k = ", split_k);
+    }
+    const bool columns_mma_fit = (mode == kDecode || mode == kDecodeColumnsMma) && decode_columns_mma_fits(args, cc);
+    if (mode == kDecodeColumnsMma) {
+      BEM_CHECK(columns_mma_fit, "the tensor-core transposed-weight decode kernel takes a weight stored (K, N) "
+                "row-major, 1..", kDecodeColumnsMmaMaxTokens, " tokens, rank 8 or 16, K and N multiples of 8 and ",
+                "16-byte aligned x, weight and V on a compute capability 9.0 GPU");
     }
     if (mode == kDecodeTma) {
       BEM_CHECK(sm90a_runs(x.get_device()) && decode_tma_fits(args, cc), "the TMA decode kernel takes a row-major weight, 1..",
@@ -338,6 +350,16 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
                 "the transposed-weight decode kernel splits K over 1, 2, 4 or 8 blocks, got split_k = ", split_k);
       args.k_per_split = ((int)K + args.split_k - 1) / args.split_k;
       C10_CUDA_CHECK(launch_decode_columns(dtype_of(x), args, stream_now()));
+      return {Y, P};
+    }
+    // A transposed weight at 5 to 16 tokens (or asked for): the tensor-core kernel, one launch.
+    if (columns_mma_fit) {
+      args.split_k = split_k > 0 ? (int)split_k : decode_columns_mma_split((int)N, (int)K, (int)r, x.get_device());
+      BEM_CHECK(args.split_k <= kDecodeStreamMaxCluster && (args.split_k & (args.split_k - 1)) == 0,
+                "the tensor-core transposed-weight decode kernel splits K over 1, 2, 4 or 8 blocks, got split_k = ",
+                split_k);
+      args.k_per_split = decode_columns_mma_k_per_split((int)K, args.split_k);
+      C10_CUDA_CHECK(launch_decode_columns_mma(dtype_of(x), args, stream_now()));
       return {Y, P};
     }
     const int split = decode_split_k((int)M, (int)N, (int)K, (int)r, args.w_transposed, num_sms(x.get_device()),

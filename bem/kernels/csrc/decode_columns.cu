@@ -17,6 +17,7 @@
 #include <cooperative_groups.h>
 
 #include "common.cuh"
+#include "decode_columns_end.cuh"
 #include "launchers.h"
 
 namespace bem {
@@ -41,16 +42,11 @@ __global__ void __launch_bounds__(kThreads) decode_columns_kernel(DecodeArgs p) 
   __shared__ float zb[MT][kMaxRank];            // this block's partial X V (read by the cluster)
   __shared__ float zc[MT][kMaxRank];            // s (X V) ⊙ codes over the whole of K
   cg::cluster_group cluster = cg::this_cluster();
-  const int cs = (int)cluster.num_blocks();
   const int rank = (int)cluster.block_rank();
 
   const T* X = static_cast<const T*>(p.X);
   const T* W = static_cast<const T*>(p.W);
   const T* V = static_cast<const T*>(p.V);
-  const T* U = static_cast<const T*>(p.U);
-  const T* codes = static_cast<const T*>(p.codes);
-  const T* bias = static_cast<const T*>(p.bias);
-  T* Y = static_cast<T*>(p.Y);
   const int M = p.M, N = p.N, K = p.K, r = p.r;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int ng = tid % kGroups, kr = tid / kGroups;
@@ -114,47 +110,8 @@ __global__ void __launch_bounds__(kThreads) decode_columns_kernel(DecodeArgs p) 
     }
   }
   __syncthreads();
-  for (int i = tid; i < MT * kCols; i += kThreads) {
-    const int m = i / kCols, c = i % kCols;
-    float sum = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) sum += stage_y[w][m][c];
-    yb[m][c] = sum;
-  }
-  for (int i = tid; i < MT * kMaxRank; i += kThreads) {
-    const int m = i / kMaxRank, j = i % kMaxRank;
-    float sum = 0.f;
-    if (j < 8 * RZ) {
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) sum += stage_z[w][m][j];
-    }
-    zb[m][j] = sum;
-  }
-  cluster.sync();  // every block's partial sums are complete and visible to the cluster
-
-  // ---- The whole X V, in every block; X V for the backward from the first block ----
-  float* zb_flat = &zb[0][0];
-  for (int i = tid; i < M * r; i += kThreads) {
-    const int m = i / r, j = i % r;
-    const float sum = cluster_sum<kDecodeStreamMaxCluster>(cluster, zb_flat, m * kMaxRank + j, cs);
-    if (p.P && blockIdx.y == 0 && rank == 0) p.P[m * r + j] = sum;
-    zc[m][j] = sum * p.scale * (codes ? to_acc(codes[m * r + j]) : 1.f);
-  }
-  __syncthreads();
-
-  // ---- This block's 64 / cs columns: the cluster's X W^T in a fixed order, the update, the bias ----
-  const int cols = kCols / cs, col_begin = rank * cols;
-  float* yb_flat = &yb[0][0];
-  for (int i = tid; i < cols * M; i += kThreads) {
-    const int c = col_begin + i % cols, m = i / cols, nn = n0 + c;
-    if (nn >= N) continue;
-    float out = cluster_sum<kDecodeStreamMaxCluster>(cluster, yb_flat, m * kCols + c, cs);
-    const T* u = U + (size_t)nn * r;
-    for (int j = 0; j < r; ++j) out = fmaf(zc[m][j], to_acc(u[j]), out);
-    if (bias) out += to_acc(bias[nn]);
-    Y[(size_t)m * N + nn] = from_acc<T>(out);
-  }
-  cluster.sync();  // no block leaves while another still reads its shared memory
+  columns_block_sums<kThreads, kWarps>(MT, 8 * RZ, stage_y, stage_z, yb, zb);
+  columns_cluster_end<T, kThreads>(cluster, p, n0, yb, zb, zc);
 #endif
 }
 

@@ -181,6 +181,16 @@ bool decode_columns_fits(const DecodeArgs& args, int cc_major);
 int decode_columns_split(int M, int N, int K, int r, int device);
 cudaError_t launch_decode_columns(DType dtype, const DecodeArgs& args, cudaStream_t stream);
 
+// The tensor-core decode kernel for a weight stored transposed (decode_columns_mma.cu; sm_90, M <=
+// kDecodeColumnsMmaMaxTokens, r 8 or 16, K and N multiples of 8, X, W and V 16-byte aligned), one launch: split_k
+// its thread-block cluster size (1, 2, 4 or 8), k_per_split a multiple of 16 (decode_columns_mma_k_per_split).
+constexpr int kDecodeColumnsMmaMaxTokens = 16;
+constexpr int kDecodeColumnsMmaMaxRank = 16;
+bool decode_columns_mma_fits(const DecodeArgs& args, int cc_major);
+int decode_columns_mma_split(int N, int K, int r, int device);
+int decode_columns_mma_k_per_split(int K, int split_k);
+cudaError_t launch_decode_columns_mma(DType dtype, const DecodeArgs& args, cudaStream_t stream);
+
 // The backward's low-rank pieces at decode sizes (M <= kDecodeMaxTokens, fp16/bf16), in two launches
 // (the second after the first): dU = s dY^T (P ⊙ c) (N x r), dV = s X^T (G ⊙ c) (K x r),
 // dcodes = s G ⊙ P (M x r) and C = s (G ⊙ c) V^T (M x K, the update's share of dX), with G = dY U summed
