@@ -26,6 +26,18 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
+def operands(M: int, K: int, N: int, r: int, seed: int, draws: int, dtype: torch.dtype = torch.bfloat16):
+    """(x, W, b, V, U, [codes] * draws), drawn in that generator's order from `seed`, scaled as a layer's."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
+    V = (torch.randn(K, r, device="cuda", generator=g) / K**0.5).to(dtype)
+    U = torch.randn(N, r, device="cuda", generator=g).to(dtype)
+    W = (torch.randn(N, K, device="cuda", generator=g) / K**0.5).to(dtype)
+    b = torch.randn(N, device="cuda", generator=g).to(dtype)
+    codes = [torch.randn(M, r, device="cuda", generator=g).to(dtype) for _ in range(draws)]
+    return x, W, b, V, U, codes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--draws", type=int, default=300)
@@ -35,13 +47,7 @@ def main() -> None:
     floor = torch.finfo(dtype).eps / 2
     print(f"{'kernel':<12}{'M x K x N x r':<18}{'max':>7}{'p99':>7}{'median':>8}{'> 2':>5}  worst kernel / torch err")
     for M, K, N, r in SHAPES:
-        g = torch.Generator(device="cuda").manual_seed(M * 7 + K + N + r)
-        x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
-        V = (torch.randn(K, r, device="cuda", generator=g) / K**0.5).to(dtype)
-        U = torch.randn(N, r, device="cuda", generator=g).to(dtype)
-        W = (torch.randn(N, K, device="cuda", generator=g) / K**0.5).to(dtype)
-        b = torch.randn(N, device="cuda", generator=g).to(dtype)
-        draws = [torch.randn(M, r, device="cuda", generator=g).to(dtype) for _ in range(args.draws)]
+        x, W, b, V, U, draws = operands(M, K, N, r, M * 7 + K + N + r, args.draws, dtype)
         refs = [reference.bem_linear(x.double(), W.double(), b.double(), V.double(), c.double(), U.double(), SCALING)
                 for c in draws]
         torch_errs = [rel_err(reference.bem_linear(x, W, b, V, c, U, SCALING), ref) for c, ref in zip(draws, refs)]

@@ -12,6 +12,7 @@ import argparse
 import torch
 
 from bem.kernels import custom_ops, reference
+from decode_error_probe import operands  # scripts/, beside this file
 
 
 def main() -> None:
@@ -20,13 +21,7 @@ def main() -> None:
     args = parser.parse_args()
     _C = custom_ops.extension()
     for M, K, N, r, split in [(1, 4096, 4096, 8, 0), (16, 4096, 4096, 8, 0), (1, 2048, 8192, 16, 0), (3, 4096, 1000, 8, 8)]:
-        g = torch.Generator(device="cuda").manual_seed(K + N + M)
-        x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
-        V = (torch.randn(K, r, device="cuda", generator=g) / K**0.5).bfloat16()
-        U = torch.randn(N, r, device="cuda", generator=g).bfloat16()
-        W = (torch.randn(N, K, device="cuda", generator=g) / K**0.5).bfloat16()
-        b = torch.randn(N, device="cuda", generator=g).bfloat16()
-        codes = [torch.randn(M, r, device="cuda", generator=g).bfloat16() for _ in range(20)]
+        x, W, b, V, U, codes = operands(M, K, N, r, K + N + M, draws=20)
         first = [_C.linear_forward(x, W, b, V, c, U, 1.5, 1, split, False)[0].clone() for c in codes]
         mismatches = []
         for rnd in range(args.calls // 20):

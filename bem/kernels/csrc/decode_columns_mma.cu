@@ -150,10 +150,8 @@ __global__ void __launch_bounds__(kThreads) decode_columns_mma_kernel(DecodeArgs
 #endif
 }
 
-template <typename T> using ColumnsMmaKernel = void (*)(DecodeArgs);
-
 template <typename T>
-ColumnsMmaKernel<T> columns_mma_kernel(int r) {
+auto columns_mma_kernel(int r) {
   return r <= 8 ? decode_columns_mma_kernel<T, 1> : decode_columns_mma_kernel<T, 2>;
 }
 
