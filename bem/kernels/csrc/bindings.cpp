@@ -253,10 +253,18 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
     // F.linear at 8 tokens (H100). Captured into a CUDA graph, where a second launch costs no host time, cuBLAS
     // after the update kernel instead (docs/kernels.md); eagerly the one launch's host time weighs more.
     // Where the tensor-core transposed-weight kernel takes the call, it does, captured or not.
-    const bool columns_mma = !weight.is_contiguous() && M <= kDecodeColumnsMmaMaxTokens && r % 8 == 0 &&
-                             r <= kDecodeColumnsMmaMaxRank && K % 8 == 0 && N % 8 == 0;
-    mode = M > kDecodeColumnsMaxTokens && !weight.is_contiguous() && capturing_now() && !columns_mma ? kUpdateThenGemm
-                                                                                                      : kDecode;
+    DecodeArgs shape{};
+    shape.X = x.data_ptr();
+    shape.W = weight.data_ptr();
+    shape.V = V.data_ptr();
+    shape.M = (int)M;
+    shape.N = (int)N;
+    shape.K = (int)K;
+    shape.r = (int)r;
+    shape.w_transposed = !weight.is_contiguous();
+    const bool columns_mma = decode_columns_mma_fits(shape, cc_major(x.get_device()));
+    mode = M > kDecodeColumnsMaxTokens && shape.w_transposed && capturing_now() && !columns_mma ? kUpdateThenGemm
+                                                                                                 : kDecode;
   } else if (mode == kAuto) {
     const GemmUpdateChoice choice = gemm_update_choice(x, weight, bias, V, U);
     mode = choice == GemmUpdateChoice::kInside      ? kGemmUpdate
