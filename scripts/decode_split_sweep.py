@@ -3,7 +3,7 @@ size), the row-split kernel (K up to 2048), the TMA kernel (its own split, then 
 and the default dispatch, against
 `F.linear`; CUDA-graph GPU time per call, interleaved.
 
-    PYTHONPATH=. python scripts/decode_split_sweep.py [--shapes 1x576x576x8,...] [--conv1d]
+    PYTHONPATH=. python scripts/decode_split_sweep.py [--shapes 1x576x576x8,...] [--conv1d] [--only default,mma]
 
 The default shapes are SmolLM-135M's, Qwen2-1.5B's, Llama-1B's and Phi-3-mini's at 1 and 16 tokens. Where K is
 at most 2048 and N at most 4096 the default dispatch takes the row-split kernel; above, the streaming kernel on the largest cluster
@@ -11,8 +11,9 @@ that keeps at least 64 columns of K a block and runs in one wave (`decode_stream
 answers: which kernel, and which split, is fastest where the matrix is small?
 
 With --conv1d the weights are stored (K, N) as GPT-2's Conv1D holds them (default shapes: GPT-2's), and the
-`k/s` columns are the transposed-weight kernel at each cluster size, and the `mma` ones its tensor-core form
-(mode 10). The `gemm, upd` and `upd, gemm` columns are cuBLAS with the update kernel (modes 2 and 3).
+`columns` columns are the CUDA-core transposed-weight kernel (mode 11) at its own split and each cluster size, the
+`mma` ones its tensor-core form (mode 10). The `gemm, upd` and `upd, gemm` columns are cuBLAS with the update
+kernel (modes 2 and 3). `--only default,mma` times those columns alone (and F.linear).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import torch.nn.functional as F
 from bem.kernels import bench, custom_ops, ops
 
 SCALING = 0.5
-STREAM, TILES, ROWS, TMA, COLUMNS_MMA = 1, 5, 8, 9, 10  # linear modes: the streaming, tiles, row-split, TMA and
-# tensor-core transposed-weight decode kernels
+STREAM, TILES, ROWS, TMA, COLUMNS_MMA, COLUMNS = 1, 5, 8, 9, 10, 11  # linear modes: the streaming, tiles, row-split,
+# TMA, and the tensor-core and CUDA-core transposed-weight decode kernels
 GEMM_THEN_UPDATE, UPDATE_THEN_GEMM = 2, 3  # cuBLAS, then the update kernel adds; the update, then cuBLAS adds
 
 
@@ -43,7 +44,8 @@ def conv1d_shapes() -> list[tuple[int, int, int, int]]:
     return [(M, K, N, 8) for M in (1, 4, 8, 16) for K, N in gpt2]
 
 
-def sweep_row(M: int, K: int, N: int, r: int, l2_bytes: int, conv1d: bool) -> dict[str, float]:
+def sweep_row(M: int, K: int, N: int, r: int, l2_bytes: int, conv1d: bool,
+              only: tuple[str, ...] = ()) -> dict[str, float]:
     sets = bench._sets(M, K, N, r, l2_bytes)
     if conv1d:  # the (N, K) view of a row-major (K, N) weight
         sets = [dict(s, W=s["W"].t().contiguous().t()) for s in sets]
@@ -62,19 +64,25 @@ def sweep_row(M: int, K: int, N: int, r: int, l2_bytes: int, conv1d: bool) -> di
                                             pick(i)["c"].detach(), pick(i)["U"].detach(), SCALING),
         "tiles": linear(TILES),
     }
-    for split in (1, 2, 4, 8):
-        variants[f"stream k/{split}"] = linear(STREAM, split)
     if conv1d:
+        variants["columns"] = linear(COLUMNS)
+        for split in (1, 2, 4, 8):
+            variants[f"columns k/{split}"] = linear(COLUMNS, split)
         variants["mma"] = linear(COLUMNS_MMA)
         for split in (1, 2, 4, 8):
             variants[f"mma k/{split}"] = linear(COLUMNS_MMA, split)
     if not conv1d:  # above its K limit the row-split kernel refuses, and is left out below
+        for split in (1, 2, 4, 8):
+            variants[f"stream k/{split}"] = linear(STREAM, split)
         variants["rows"] = linear(ROWS)
         variants["tma"] = linear(TMA)
         for split in (1, 2, 4, 8):
             variants[f"tma k/{split}"] = linear(TMA, split)
     variants["gemm, upd"] = linear(GEMM_THEN_UPDATE)
     variants["upd, gemm"] = linear(UPDATE_THEN_GEMM)
+    if only:  # F.linear, the ratios' denominator, always
+        variants = {name: fn for name, fn in variants.items()
+                    if name == "F.linear" or any(name.startswith(prefix) for prefix in only)}
     usable = {}
     for name, fn in variants.items():  # a split the kernel refuses at this shape is left out
         try:
@@ -92,20 +100,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", help="comma-separated MxKxNxr")
     parser.add_argument("--conv1d", action="store_true", help="weights stored (K, N), as GPT-2's Conv1D")
+    parser.add_argument("--only", help="comma-separated column-name prefixes to time (e.g. default,mma), F.linear always")
     args = parser.parse_args()
     shapes = bench.parse_shapes(args.shapes) if args.shapes else (conv1d_shapes() if args.conv1d
                                                                       else default_shapes())
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
     bench.warm_up()
-    names = ["default", "tiles", "stream k/1", "stream k/2", "stream k/4", "stream k/8", "rows", "gemm, upd",
-             "upd, gemm"]
+    splits = ("", " k/1", " k/2", " k/4", " k/8")
     if not args.conv1d:
-        names += ["tma", "tma k/1", "tma k/2", "tma k/4", "tma k/8"]
+        names = ["default", "tiles", "stream k/1", "stream k/2", "stream k/4", "stream k/8", "rows", "gemm, upd",
+                 "upd, gemm"] + [f"tma{s}" for s in splits]
     else:
-        names += ["mma", "mma k/1", "mma k/2", "mma k/4", "mma k/8"]
+        names = ["default", "tiles"] + [f"columns{s}" for s in splits] + [f"mma{s}" for s in splits] + [
+            "gemm, upd", "upd, gemm"]
+    only = tuple(args.only.split(",")) if args.only else ()
+    names = [n for n in names if not only or any(n.startswith(prefix) for prefix in only)]
     print(f"{'M x K x N x r':<20}{'F.linear µs':>12}" + "".join(f"{n:>12}" for n in names))
     for M, K, N, r in shapes:
-        times = sweep_row(M, K, N, r, l2_bytes, args.conv1d)
+        times = sweep_row(M, K, N, r, l2_bytes, args.conv1d, only)
         base = times["F.linear"]
         cells = [f"{times[n] / base:>11.2f}x" if n in times else f"{'-':>12}" for n in names]
         print(f"{f'{M}x{K}x{N}x{r}':<20}{1e3 * base:>12.2f}" + "".join(cells), flush=True)

@@ -66,7 +66,7 @@ for what in "$@"; do
         ${SWEEP_SHAPES:+--shapes "$SWEEP_SHAPES"} ;;
     decode-split-sweep) step decode_split_sweep 300 env PYTHONPATH=. python3 scripts/decode_split_sweep.py \
         ${SWEEP_SHAPES:+--shapes "$SWEEP_SHAPES"} ;;
-    conv1d-split-sweep) step conv1d_split_sweep 200 env PYTHONPATH=. python3 scripts/decode_split_sweep.py --conv1d \
+    conv1d-split-sweep) step conv1d_split_sweep ${CONV1D_SWEEP_LIMIT:-200} env PYTHONPATH=. python3 scripts/decode_split_sweep.py --conv1d ${SWEEP_ONLY:+--only "$SWEEP_ONLY"} \
         ${SWEEP_SHAPES:+--shapes "$SWEEP_SHAPES"} ;;
     backward-sweep) step backward_sweep 420 env PYTHONPATH=. python3 scripts/backward_sweep.py ${SWEEP_SHAPES:+--shapes "$SWEEP_SHAPES"} ;;
     bench-shapes) step bench_shapes 400 python3 -m bem.kernels.bench --shapes "$BENCH_SHAPES" --json "$OUT/bench.json" ;;

@@ -77,13 +77,30 @@ hopper = pytest.mark.skipif(
                                    (1, 50000, 64)])
 @pytest.mark.parametrize("r", [1, 8, 13, 33, 64])
 def test_transposed_decode_kernel_matches_float64(dtype, split_k, M, K, N, r):
-    """Mode 1 with a weight stored (K, N) (GPT-2's Conv1D, passed as its (N, K) view) at up to 4 tokens:
+    """Mode 11 with a weight stored (K, N) (GPT-2's Conv1D, passed as its (N, K) view) at up to 4 tokens:
     the CUDA-core kernel for that layout (cluster split-K) at every cluster size, odd K and ranks, with
     and without bias and codes; two calls give identical bits (fixed-order sums); the profile names it."""
     seed = stable_seed(M, K, N, r, split_k, str(dtype), "columns")
     x, W, b, V, c, U = operands(M, K, N, r, dtype, codes=r != 13, seed=seed)
-    names = decode_calls_agree(x, conv1d_layout(W), None if r == 33 else b, V, c, U, split_k)
+    names = decode_calls_agree(x, conv1d_layout(W), None if r == 33 else b, V, c, U, split_k, mode=11)
     assert any("decode_columns_kernel" in name for name in names), names
+
+
+@hopper
+@pytest.mark.parametrize("M,K,N,r,kernel", [
+    (1, 768, 2304, 8, "decode_columns_kernel"), (2, 768, 768, 16, "decode_columns_kernel"),
+    (1, 3072, 768, 8, "decode_columns_mma_kernel"), (2, 1536, 768, 8, "decode_columns_mma_kernel"),
+    (3, 768, 3072, 8, "decode_columns_mma_kernel"), (4, 768, 768, 16, "decode_columns_mma_kernel"),
+    (4, 768, 2304, 13, "decode_columns_kernel"), (1, 3072, 768, 24, "decode_columns_kernel")])
+def test_transposed_decode_dispatch_between_the_two_kernels(M, K, N, r, kernel):
+    """Modes 0 and 1 with a weight stored (K, N): the CUDA-core kernel at 1-2 tokens where K < 2 N, the
+    tensor-core kernel from 3 tokens and where K >= 2 N (ranks 8 and 16), the CUDA-core kernel at other ranks up
+    to 4 tokens; both exact against float64."""
+    x, W, b, V, c, U = operands(M, K, N, r, torch.bfloat16, codes=True, seed=stable_seed(M, K, N, r, "dispatch"))
+    W = conv1d_layout(W)
+    for mode in (0, 1):
+        names = decode_calls_agree(x, W, b, V, c, U, 0, mode=mode)
+        assert any(kernel in name for name in names) and sum("decode_columns" in n for n in names) == 1, names
 
 
 @hopper
@@ -257,6 +274,20 @@ def test_transposed_mma_decode_kernel_refuses_what_it_does_not_take(case):
     split = 3 if case == "split" else 0
     with pytest.raises(ValueError, match="tensor-core transposed-weight decode kernel"):
         custom_ops._C.linear_forward(x, W, b, V, c, U, 1.0, 10, split)
+
+
+@hopper
+@pytest.mark.parametrize("case", ["rank", "row-major", "tokens", "split", "columns"])
+def test_transposed_decode_kernel_refuses_what_it_does_not_take(case):
+    """Mode 11 asked for where it does not run: a clear error naming the kernel and its limits, no launch."""
+    r = 65 if case == "rank" else 8
+    M = 5 if case == "tokens" else 2
+    N = 60 if case == "columns" else 64
+    x, W, b, V, c, U = operands(M, 256, N, r, torch.bfloat16, codes=True, seed=stable_seed(case, "columns refusals"))
+    W = W if case == "row-major" else conv1d_layout(W)
+    split = 3 if case == "split" else 0
+    with pytest.raises(ValueError, match="transposed-weight decode kernel (takes|splits)"):
+        custom_ops._C.linear_forward(x, W, b, V, c, U, 1.0, 11, split)
 
 
 @hopper

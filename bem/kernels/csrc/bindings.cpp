@@ -39,6 +39,7 @@ enum LinearMode : int64_t {
   kDecodeRows = 8,       // the row-split decode kernel (decode_rows.cu: M <= 16, sm_90, no clusters)
   kDecodeTma = 9,        // the TMA decode kernel (decode_tma.cu: M <= 16, sm_90a, W by tensor-map copies)
   kDecodeColumnsMma = 10,  // the tensor-core kernel for a transposed weight (decode_columns_mma.cu: M <= 16)
+  kDecodeColumns = 11,     // the CUDA-core kernel for a transposed weight (decode_columns.cu: M <= 4)
 };
 // Chosen by measurement at prefill sizes (docs/kernels.md).
 constexpr LinearMode kPrefillMode = kUpdateThenGemm;
@@ -271,14 +272,14 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
            : choice == GemmUpdateChoice::kProjected ? kGemmUpdateProjected
                                                     : kPrefillMode;
   }
-  BEM_CHECK(mode >= kDecode && mode <= kDecodeColumnsMma, "unknown linear mode ", mode);
+  BEM_CHECK(mode >= kDecode && mode <= kDecodeColumns, "unknown linear mode ", mode);
   BEM_CHECK(gemm_tile_n == 0 || gemm_tile_n == 128 || gemm_tile_n == 256,
             "gemm_tile_n must be 0 (chosen by shape), 128 or 256, got ", gemm_tile_n);
   if (!tensor_core_dtype(x) || M == 0) mode = kGemmThenUpdate;  // float/double: cuBLAS + simple kernels
   const Tensor* bias_ptr = bias.has_value() ? &*bias : nullptr;
 
   if (mode == kDecode || mode == kDecodeTiles || mode == kDecodeRows || mode == kDecodeTma ||
-      mode == kDecodeColumnsMma) {
+      mode == kDecodeColumnsMma || mode == kDecodeColumns) {
     BEM_CHECK(fits_decode, "the decode kernel takes 1..", kDecodeMaxTokens,
                 " float16/bfloat16 tokens, got M = ", M, " of ", x.scalar_type());
     DecodeArgs args{};
@@ -312,6 +313,12 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
       BEM_CHECK(columns_mma_fit, "the tensor-core transposed-weight decode kernel takes a weight stored (K, N) "
                 "row-major, 1..", kDecodeColumnsMmaMaxTokens, " tokens, rank 8 or 16, K and N multiples of 8 and ",
                 "16-byte aligned x, weight and V on a compute capability 9.0 GPU");
+    }
+    const bool columns_fit = (mode == kDecode || mode == kDecodeColumns) && decode_columns_fits(args, cc);
+    if (mode == kDecodeColumns) {
+      BEM_CHECK(columns_fit, "the CUDA-core transposed-weight decode kernel takes a weight stored (K, N) row-major, "
+                "1..", kDecodeColumnsMaxTokens, " tokens, ranks 1..", kDecodeColumnsMaxRank, ", N a multiple of 8 ",
+                "and a 16-byte aligned weight on a compute capability 9.0 GPU");
     }
     if (mode == kDecodeTma) {
       BEM_CHECK(sm90a_runs(x.get_device()) && decode_tma_fits(args, cc), "the TMA decode kernel takes a row-major weight, 1..",
@@ -349,10 +356,11 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
       C10_CUDA_CHECK(launch_decode_stream(dtype_of(x), args, stream_now()));
       return {Y, P};
     }
-    // A transposed weight (GPT-2's Conv1D) at up to 4 tokens: the CUDA-core streaming kernel. H100, x
-    // F.linear at GPT-2's four shapes, M = 1: 1.17-1.50 against the tiles kernel's 1.32-2.37; M = 4:
-    // 1.61-1.83 against 1.41-2.58; at M = 8 the tiles kernel was as fast or faster, and takes it.
-    if (mode == kDecode && decode_columns_fits(args, cc)) {
+    // A transposed weight (GPT-2's Conv1D): the CUDA-core kernel where it fits and measured ahead of the
+    // tensor-core kernel (decode_columns_takes), or where that one does not fit (ranks other than 8 and 16, unaligned
+    // operands); up to 4 tokens it beat the tiles kernel (H100, x F.linear at GPT-2's shapes, M = 1: 1.17-1.50
+    // against 1.32-2.37; M = 4: 1.61-1.83 against 1.41-2.58).
+    if (columns_fit && (mode == kDecodeColumns || !columns_mma_fit || decode_columns_takes(args))) {
       args.split_k = split_k > 0 ? (int)split_k : decode_columns_split((int)M, (int)N, (int)K, (int)r, x.get_device());
       BEM_CHECK(args.split_k <= kDecodeStreamMaxCluster && (args.split_k & (args.split_k - 1)) == 0,
                 "the transposed-weight decode kernel splits K over 1, 2, 4 or 8 blocks, got split_k = ", split_k);
@@ -360,7 +368,8 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
       C10_CUDA_CHECK(launch_decode_columns(dtype_of(x), args, stream_now()));
       return {Y, P};
     }
-    // A transposed weight at 5 to 16 tokens (or asked for): the tensor-core kernel, one launch.
+    // A transposed weight at 3 to 16 tokens, or from one token where K >= 2 N (or asked for): the tensor-core
+    // kernel, one launch.
     if (columns_mma_fit) {
       args.split_k = split_k > 0 ? (int)split_k : decode_columns_mma_split((int)N, (int)K, (int)r, x.get_device());
       BEM_CHECK(args.split_k <= kDecodeStreamMaxCluster && (args.split_k & (args.split_k - 1)) == 0,

@@ -263,4 +263,14 @@ inline int resident_clusters_of(const void* kernel, int device, int cs,
   return clusters;
 }
 
+// The largest thread-block cluster (K split) of 8, 4 or 2 blocks whose slice of K keeps at least `min_slice`
+// rows and whose grid of `tiles` clusters runs in one wave (`resident(cs)`: clusters of cs blocks resident at
+// once); else 1. The split rule of the decode kernels that split K over a cluster.
+template <typename Resident>
+int largest_one_wave_cluster(int K, int min_slice, int tiles, int max_cluster, Resident&& resident) {
+  for (int cs = max_cluster; cs > 1; cs /= 2)
+    if (K / cs >= min_slice && tiles <= resident(cs)) return cs;
+  return 1;
+}
+
 }  // namespace bem

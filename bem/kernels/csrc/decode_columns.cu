@@ -158,12 +158,19 @@ bool decode_columns_fits(const DecodeArgs& a, int cc_major) {
          a.N % 8 == 0 && a.r >= 1 && a.r <= kDecodeColumnsMaxRank && aligned16(a.W);
 }
 
+bool decode_columns_takes(const DecodeArgs& a) {
+  // Where it measured ahead of the tensor-core kernel (H100, x F.linear at GPT-2's shapes, CUDA-graph replays):
+  // at 1 and 2 tokens on 768 -> 2304, 768² and 768 -> 3072 (1 token: 1.33-1.54 against 1.56-1.74); from 3 tokens
+  // (its 4-token form) the tensor-core kernel led on three of the four, and at K = 4 N (3072 -> 768) from one
+  // token (1.10 against 1.20).
+  return a.M <= 2 && a.K < 2 * a.N;
+}
+
 int decode_columns_split(int M, int N, int K, int r, int device) {
   // The largest cluster (K split) whose grid runs in one wave, with at least 2 rows of K a thread.
   const int tiles = (N + kCols - 1) / kCols;
-  for (int cs = kDecodeStreamMaxCluster; cs > 1; cs /= 2)
-    if (K / cs >= 2 * kRowsOfThreads && tiles <= resident_column_clusters(cs, M, r, device)) return cs;
-  return 1;
+  return largest_one_wave_cluster(K, 2 * kRowsOfThreads, tiles, kDecodeStreamMaxCluster,
+                                  [=](int cs) { return resident_column_clusters(cs, M, r, device); });
 }
 
 cudaError_t launch_decode_columns(DType dtype, const DecodeArgs& args, cudaStream_t stream) {

@@ -174,9 +174,8 @@ bool decode_columns_mma_fits(const DecodeArgs& a, int cc_major) {
 int decode_columns_mma_split(int N, int K, int r, int device) {
   // The largest cluster (K split) whose grid runs in one wave with a chunk of 16 rows for every warp of a block.
   const int tiles = (N + kCols - 1) / kCols;
-  for (int cs = kDecodeStreamMaxCluster; cs > 1; cs /= 2)
-    if (K / cs >= kWarps * kChunk && tiles <= resident_clusters(cs, r, device)) return cs;
-  return 1;
+  return largest_one_wave_cluster(K, kWarps * kChunk, tiles, kDecodeStreamMaxCluster,
+                                  [=](int cs) { return resident_clusters(cs, r, device); });
 }
 
 int decode_columns_mma_k_per_split(int K, int split_k) {

@@ -318,9 +318,8 @@ int decode_stream_split(int N, int K, int device) {
   // slices. H100, x F.linear at K split 2 / 4 / 8 (M = 1): 576 x 576 1.70 / 1.53 / 1.46; 1536 -> 576
   // 1.66 / 1.29 / 1.17 (a floor of 256 columns a block had kept these at 2 and 4).
   const int tiles = (N + kRows - 1) / kRows;
-  for (int cs = kDecodeStreamMaxCluster; cs > 1; cs /= 2)
-    if (K / cs >= 64 && tiles <= resident_clusters(cs, device)) return cs;
-  return 1;
+  return largest_one_wave_cluster(K, 64, tiles, kDecodeStreamMaxCluster,
+                                  [device](int cs) { return resident_clusters(cs, device); });
 }
 
 bool decode_stream_projects_first(const DecodeArgs& a) {

@@ -247,9 +247,8 @@ bool decode_tma_takes(int K) {
 int decode_tma_split(int N, int K, int device) {
   // The largest cluster (K split) whose grid runs in one wave, with at least two stages a block.
   const int tiles = (N + kTmaRows - 1) / kTmaRows;
-  for (int cs = kDecodeStreamMaxCluster; cs > 1; cs /= 2)
-    if (K / cs >= 2 * kTmaBK && tiles <= resident_clusters(cs, device)) return cs;
-  return 1;
+  return largest_one_wave_cluster(K, 2 * kTmaBK, tiles, kDecodeStreamMaxCluster,
+                                  [device](int cs) { return resident_clusters(cs, device); });
 }
 
 int decode_tma_k_per_split(int K, int split_k) {

@@ -178,6 +178,7 @@ cudaError_t launch_decode_tma(DType dtype, const DecodeArgs& args, cudaStream_t 
 constexpr int kDecodeColumnsMaxTokens = 4;  // at 8 tokens the tiles kernel was as fast or faster (H100)
 constexpr int kDecodeColumnsMaxRank = 64;
 bool decode_columns_fits(const DecodeArgs& args, int cc_major);
+bool decode_columns_takes(const DecodeArgs& args);  // where the dispatch prefers it to the tensor-core kernel
 int decode_columns_split(int M, int N, int K, int r, int device);
 cudaError_t launch_decode_columns(DType dtype, const DecodeArgs& args, cudaStream_t stream);
 
