@@ -336,9 +336,9 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
     }
     // Under CUDA-graph capture, where its second launch (the projection) costs no host time, a warp a row of W
     // where decode_gemv_takes the call; eagerly the one-launch kernels below.
-    if (gemv_fit && (mode == kDecodeGemv || (split_k == 0 && capturing_now() && decode_gemv_takes((int)M)))) {
-      Tensor Pc = at::empty({M, (r + 15) / 16 * 16}, x.options());
-      args.Pc = Pc.data_ptr();
+    if (gemv_fit && (mode == kDecodeGemv || (split_k == 0 && capturing_now() && decode_gemv_takes(args)))) {
+      Tensor ws = at::empty({M, N}, x.options().dtype(at::kFloat));
+      args.ws = ws.data_ptr<float>();
       C10_CUDA_CHECK(launch_decode_gemv(dtype_of(x), args, stream_now()));
       return {Y, P};
     }

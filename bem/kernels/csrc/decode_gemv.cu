@@ -1,19 +1,22 @@
-// The BEM linear at 1-4 tokens on a row-major weight, on CUDA cores, after the projection launch (sm_90,
-// W row-major, M <= kDecodeGemvMaxTokens, K % 8 == 0, r <= 64):
+// The BEM linear at 1-4 tokens on a row-major weight, on CUDA cores (sm_90, W row-major, M <=
+// kDecodeGemvMaxTokens, K % 8 == 0, r <= 64), in two launches:
 //
-//     Y = X W^T + b + Pc U^T,    Pc = s (X V) ⊙ codes    (decode_project_kernel, launched just before)
+//     Z = X W^T                        (decode_gemv_kernel: fp32, M x N)
+//     Y = Z + b + (s (X V) ⊙ codes) U^T  (decode_gemv_update_kernel)
 //
 // At a few tokens each row of W is a few dot products, and the call is bound by reading W once. The simplest
 // layout measured fastest (scripts/gemv_probe.cu, a plain matrix-vector product, H100, CUDA-graph replays, W
 // rotated past L2): blocks of 8 warps, a warp a row over all of K, each lane with 8 of the row's 16-byte pieces
 // in flight, x read through L1, and many small blocks resident at once; at one token 12.5 µs against cuBLAS's
-// 13.6 at 2048 -> 8192, 0.73-0.93x cuBLAS's time on the six shapes it measured, where the tensor-core decode
-// kernels (one CUDA-core warp's work spread over 16-row fragments, clusters that split K) took about 18.5 µs.
+// 13.6 at 2048 -> 8192 and 0.73-0.93x cuBLAS's time on the six shapes it measured, where the tensor-core decode
+// kernels took about 18.5 µs. So the first launch is that alone. A form that waited inside it for a projection
+// launched before it (to add the update in the same pass) was slower (17.1 µs at 2048 -> 8192): its first wave
+// of blocks held their multiprocessors while the projection finished.
 //
-// The update's coefficients come from the projection launch before this one: this grid is a programmatic
-// dependent launch, so it streams W while the projection runs and waits for it (griddepcontrol.wait) only
-// before reading Pc. Each lane adds U[n][j] Pc[m][j] for its j (and j + 32) to its share of the row's sum before
-// one warp reduction, so every output is one fixed-order fp32 sum rounded once: two calls give the same bits.
+// The second launch is a programmatic dependent launch of a few blocks: once every block of the first has
+// started, each of its blocks computes the whole s (X V) ⊙ codes (rounded to the input dtype, as PyTorch rounds
+// it) and reads its rows' U and bias while the stream finishes, then waits for it (griddepcontrol.wait) and
+// writes Y, each output one fixed-order fp32 sum rounded once: two calls give the same bits.
 
 #include "decode_projection.cuh"
 
@@ -22,7 +25,9 @@ namespace {
 
 constexpr int kGemvWarps = 8;
 constexpr int kGemvThreads = 32 * kGemvWarps;
-constexpr int kGemvLoads = 8;  // 16-byte pieces of its row a lane has in flight (4 KB a warp)
+constexpr int kGemvLoads = 8;           // 16-byte pieces of its row a lane has in flight (4 KB a warp)
+constexpr int kUpdateBlocks = 16;       // the second launch's blocks (each computes X V for itself)
+constexpr int kUpdateThreads = 256;
 
 // Read once: no L1 allocation (the probe's fastest form; the 128- or 256-byte L2 hints gained nothing).
 __device__ __forceinline__ uint4 ld_weight16(const uint4* p) {
@@ -44,14 +49,15 @@ __device__ __forceinline__ void dot8(const uint4& w, const uint4& x, float (&acc
   }
 }
 
-// MT: tokens (1, 2 or 4; rows of X past M are never read).
+// Z = X W^T in fp32 (p.ws, M x N). MT: tokens (1, 2 or 4; rows of X past M are never read).
 template <typename T, int MT>
 __global__ void __launch_bounds__(kGemvThreads) decode_gemv_kernel(DecodeArgs p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  launch_dependents();  // the update launch may start once every block of this one has
   const int lane = threadIdx.x % 32;
   const int n = blockIdx.x * kGemvWarps + threadIdx.x / 32;
   if (n >= p.N) return;  // no barrier below: a warp past N just leaves
-  const int M = p.M, K = p.K, r = p.r, vecs = K / 8;
+  const int M = p.M, vecs = p.K / 8;
   const uint4* w_row = static_cast<const uint4*>(p.W) + (size_t)n * vecs;
   const uint4* X = static_cast<const uint4*>(p.X);
 
@@ -79,45 +85,105 @@ __global__ void __launch_bounds__(kGemvThreads) decode_gemv_kernel(DecodeArgs p)
       for (int m = 0; m < MT; ++m)
         if (m < M && v + 32 * u < vecs) dot8<T>(w[u], ld_cached16(X + (size_t)m * vecs + v + 32 * u), acc[m]);
   }
-
-  const T* U = static_cast<const T*>(p.U) + (size_t)n * r;
-  const float u0 = lane < r ? to_acc(U[lane]) : 0.f, u1 = lane + 32 < r ? to_acc(U[lane + 32]) : 0.f;
-  const float b = p.bias ? to_acc(static_cast<const T*>(p.bias)[n]) : 0.f;
-  wait_for_prerequisite();  // the projection launch's Pc is complete and visible
-  const T* Pc = static_cast<const T*>(p.Pc);
-  const int rp = round_up(r, 16);
-  T* Y = static_cast<T*>(p.Y);
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
     if (m >= M) break;
     float s = acc[m][0] + acc[m][1];
-    if (lane < r) s += u0 * to_acc(Pc[m * rp + lane]);
-    if (lane + 32 < r) s += u1 * to_acc(Pc[m * rp + lane + 32]);
 #pragma unroll
     for (int off = 16; off >= 1; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-    if (lane == 0) Y[(size_t)m * p.N + n] = from_acc<T>(s + b);
+    if (lane == 0) p.ws[(size_t)m * p.N + n] = s;
+  }
+#endif
+}
+
+// Y = Z + b + (s (X V) ⊙ codes) U^T, and P = X V (fp32, when p.P is set: block 0 writes it). Block q owns rows
+// q, q + G, q + 2G, ... Before the wait only what the first launch does not write is read: X, V, the codes, U, b.
+template <typename T>
+__global__ void __launch_bounds__(kUpdateThreads) decode_gemv_update_kernel(DecodeArgs p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int kMaxRank = kDecodeStreamMaxRank;
+  __shared__ float part[kUpdateThreads][8];  // each thread's 8 ranks over its slice of K
+  __shared__ float zs[kDecodeGemvMaxTokens * kMaxRank];
+  const int M = p.M, N = p.N, K = p.K, r = p.r, tid = threadIdx.x;
+  const T* X = static_cast<const T*>(p.X);
+  const T* V = static_cast<const T*>(p.V);
+  // X V: thread t takes 8 ranks (octet o) of token m over the k = s, s + S, ... of its slice s.
+  const int octets = (r + 7) / 8, outputs = M * octets;
+  int slices = 1;
+  while (slices * 2 * outputs <= kUpdateThreads) slices *= 2;
+  const int o = tid / slices, s = tid % slices;
+  float z[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  if (o < outputs) {
+    const int m = o / octets, j0 = 8 * (o % octets);
+    const bool rows16 = r % 8 == 0 && (reinterpret_cast<uintptr_t>(V) & 15) == 0;
+    for (int k = s; k < K; k += slices) {
+      const float xk = to_acc(X[(size_t)m * K + k]);
+      if (rows16) {
+        float vf[8];
+        unpack8<T>(ld_cached16(V + (size_t)k * r + j0), vf);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) z[i] = fmaf(xk, vf[i], z[i]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          if (j0 + i < r) z[i] = fmaf(xk, to_acc(V[(size_t)k * r + j0 + i]), z[i]);
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) part[tid][i] = z[i];
+  __syncthreads();
+  const T* codes = static_cast<const T*>(p.codes);
+  for (int i = tid; i < M * r; i += kUpdateThreads) {  // the slices' sums in order
+    const int m = i / r, j = i % r, first = (m * octets + j / 8) * slices;
+    float sum = 0.f;
+    for (int q = 0; q < slices; ++q) sum += part[first + q][j % 8];
+    if (p.P && blockIdx.x == 0) p.P[i] = sum;
+    zs[m * kMaxRank + j] = to_acc(from_acc<T>(sum * p.scale * (codes ? to_acc(codes[i]) : 1.f)));
+  }
+  __syncthreads();
+
+  // A warp a row at a time: lane j (and j + 32) holds U[n][j].
+  const int lane = tid % 32, warps = kUpdateThreads / 32;
+  const T* U = static_cast<const T*>(p.U);
+  const T* bias = static_cast<const T*>(p.bias);
+  T* Y = static_cast<T*>(p.Y);
+  bool waited = false;
+  for (int n = blockIdx.x * warps + tid / 32; n < N; n += gridDim.x * warps) {
+    const float u0 = lane < r ? to_acc(U[(size_t)n * r + lane]) : 0.f;
+    const float u1 = lane + 32 < r ? to_acc(U[(size_t)n * r + lane + 32]) : 0.f;
+    const float b = bias ? to_acc(bias[n]) : 0.f;
+    if (!waited) {
+      wait_for_prerequisite();  // Z is complete and visible
+      waited = true;
+    }
+    for (int m = 0; m < M; ++m) {
+      float t = (lane < r ? u0 * zs[m * kMaxRank + lane] : 0.f) + (lane + 32 < r ? u1 * zs[m * kMaxRank + lane + 32] : 0.f);
+#pragma unroll
+      for (int off = 16; off >= 1; off >>= 1) t += __shfl_xor_sync(0xffffffffu, t, off);
+      if (lane == 0) Y[(size_t)m * N + n] = from_acc<T>(p.ws[(size_t)m * N + n] + b + t);
+    }
   }
 #endif
 }
 
 template <typename T, int MT>
 cudaError_t launch_gemv(const DecodeArgs& a, cudaStream_t stream) {
-  const int blocks = project_blocks(a.K);
-  cudaLaunchAttribute project_cluster;
-  const cudaLaunchConfig_t project =
-      cluster_launch_config(dim3(blocks, 1, 1), kThreads, 0, stream, blocks, project_cluster);
-  cudaError_t err = cudaLaunchKernelEx(&project, decode_project_kernel<T, 1>, a);
+  const int row_blocks = (a.N + kGemvWarps - 1) / kGemvWarps;
+  decode_gemv_kernel<T, MT><<<row_blocks, kGemvThreads, 0, stream>>>(a);
+  cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((a.N + kGemvWarps - 1) / kGemvWarps, 1, 1);
-  config.blockDim = dim3(kGemvThreads, 1, 1);
+  const int update_rows = (a.N + kUpdateThreads / 32 - 1) / (kUpdateThreads / 32);
+  config.gridDim = dim3(update_rows < kUpdateBlocks ? update_rows : kUpdateBlocks, 1, 1);
+  config.blockDim = dim3(kUpdateThreads, 1, 1);
   config.stream = stream;
-  cudaLaunchAttribute attribute;  // may start while the projection still runs
+  cudaLaunchAttribute attribute;  // may start while the first launch still runs
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;
   config.attrs = &attribute;
   config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, decode_gemv_kernel<T, MT>, a);
+  return cudaLaunchKernelEx(&config, decode_gemv_update_kernel<T>, a);
 }
 
 }  // namespace
@@ -127,15 +193,16 @@ bool decode_gemv_fits(const DecodeArgs& a, int cc_major) {
          a.r >= 1 && a.r <= kDecodeStreamMaxRank && aligned16(a.X) && aligned16(a.W);
 }
 
-bool decode_gemv_takes(int M) {
-  // Under capture, at one token: 2048 -> 8192 (Llama-1B's gate and up) took about 18.5 µs in the tensor-core
-  // decode kernels where the probe's plain form took 12.5 (scripts/gemv_probe.cu).
-  return M == 1;
+bool decode_gemv_takes(const DecodeArgs& a) {
+  // Under capture, at one token, above the row kernel's shapes: there the row kernel (one launch) measured
+  // 0.97-1.06x F.linear, and this kernel's two launches cost more than its stream saves; on the large matrices
+  // the tensor-core decode kernels took about 18.5 µs at 2048 -> 8192, the probe's plain form 12.5.
+  return a.M == 1 && !decode_rows_takes(a.N, a.K);
 }
 
 cudaError_t launch_decode_gemv(DType dtype, const DecodeArgs& args, cudaStream_t stream) {
   if (args.M < 1 || args.M > kDecodeGemvMaxTokens || args.K % 8 != 0 || args.r > kDecodeStreamMaxRank ||
-      args.Pc == nullptr)
+      args.ws == nullptr)
     return cudaErrorInvalidValue;
   static_assert(kDecodeGemvMaxTokens == 4, "forms for 1, 2 and 4 tokens");
   return dispatch_half(dtype, [&](auto t) {
