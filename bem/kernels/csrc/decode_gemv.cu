@@ -13,7 +13,7 @@
 // launched before it (to add the update in the same pass) was slower (17.1 µs at 2048 -> 8192): its first wave
 // of blocks held their multiprocessors while the projection finished.
 //
-// The second launch is a programmatic dependent launch of a few blocks: once every block of the first has
+// The second launch is a programmatic dependent launch of up to 32 blocks: once every block of the first has
 // started, each of its blocks computes the whole s (X V) ⊙ codes (rounded to the input dtype, as PyTorch rounds
 // it) and reads its rows' U and bias while the stream finishes, then waits for it (griddepcontrol.wait) and
 // writes Y, each output one fixed-order fp32 sum rounded once: two calls give the same bits.
@@ -26,7 +26,7 @@ namespace {
 constexpr int kGemvWarps = 8;
 constexpr int kGemvThreads = 32 * kGemvWarps;
 constexpr int kGemvLoads = 8;           // 16-byte pieces of its row a lane has in flight (4 KB a warp)
-constexpr int kUpdateBlocks = 16;       // the second launch's blocks (each computes X V for itself)
+constexpr int kUpdateBlocks = 32;       // the second launch's blocks at most (each computes X V for itself)
 constexpr int kUpdateThreads = 256;
 
 // Read once: no L1 allocation (the probe's fastest form; the 128- or 256-byte L2 hints gained nothing).
@@ -143,26 +143,39 @@ __global__ void __launch_bounds__(kUpdateThreads) decode_gemv_update_kernel(Deco
   }
   __syncthreads();
 
-  // A warp a row at a time: lane j (and j + 32) holds U[n][j].
-  const int lane = tid % 32, warps = kUpdateThreads / 32;
+  // A thread a row at a time (rows tid, tid + threads of the grid, ...): U's row against zs, its bias, then after
+  // the wait Z's value and the sum. A warp a row here was slower than the stream itself: each warp walked 64 rows
+  // of a 2048 -> 8192 matrix one dependent load after another.
   const T* U = static_cast<const T*>(p.U);
   const T* bias = static_cast<const T*>(p.bias);
   T* Y = static_cast<T*>(p.Y);
+  const bool u_rows16 = r % 8 == 0 && (reinterpret_cast<uintptr_t>(U) & 15) == 0;
   bool waited = false;
-  for (int n = blockIdx.x * warps + tid / 32; n < N; n += gridDim.x * warps) {
-    const float u0 = lane < r ? to_acc(U[(size_t)n * r + lane]) : 0.f;
-    const float u1 = lane + 32 < r ? to_acc(U[(size_t)n * r + lane + 32]) : 0.f;
+  for (int n = blockIdx.x * kUpdateThreads + tid; n < N; n += gridDim.x * kUpdateThreads) {
+    float t[kDecodeGemvMaxTokens] = {0.f, 0.f, 0.f, 0.f};
+    const T* u_row = U + (size_t)n * r;
+    for (int j0 = 0; j0 < r; j0 += 8) {
+      float uf[8];
+      if (u_rows16) {
+        unpack8<T>(ld_cached16(u_row + j0), uf);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) uf[i] = j0 + i < r ? to_acc(u_row[j0 + i]) : 0.f;
+      }
+#pragma unroll
+      for (int m = 0; m < kDecodeGemvMaxTokens; ++m)
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          if (m < M && j0 + i < r) t[m] = fmaf(uf[i], zs[m * kMaxRank + j0 + i], t[m]);
+    }
     const float b = bias ? to_acc(bias[n]) : 0.f;
     if (!waited) {
       wait_for_prerequisite();  // Z is complete and visible
       waited = true;
     }
-    for (int m = 0; m < M; ++m) {
-      float t = (lane < r ? u0 * zs[m * kMaxRank + lane] : 0.f) + (lane + 32 < r ? u1 * zs[m * kMaxRank + lane + 32] : 0.f);
 #pragma unroll
-      for (int off = 16; off >= 1; off >>= 1) t += __shfl_xor_sync(0xffffffffu, t, off);
-      if (lane == 0) Y[(size_t)m * N + n] = from_acc<T>(p.ws[(size_t)m * N + n] + b + t);
-    }
+    for (int m = 0; m < kDecodeGemvMaxTokens; ++m)
+      if (m < M) Y[(size_t)m * N + n] = from_acc<T>(p.ws[(size_t)m * N + n] + b + t[m]);
   }
 #endif
 }
@@ -174,8 +187,8 @@ cudaError_t launch_gemv(const DecodeArgs& a, cudaStream_t stream) {
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   cudaLaunchConfig_t config = {};
-  const int update_rows = (a.N + kUpdateThreads / 32 - 1) / (kUpdateThreads / 32);
-  config.gridDim = dim3(update_rows < kUpdateBlocks ? update_rows : kUpdateBlocks, 1, 1);
+  const int update_blocks = (a.N + kUpdateThreads - 1) / kUpdateThreads;
+  config.gridDim = dim3(update_blocks < kUpdateBlocks ? update_blocks : kUpdateBlocks, 1, 1);
   config.blockDim = dim3(kUpdateThreads, 1, 1);
   config.stream = stream;
   cudaLaunchAttribute attribute;  // may start while the first launch still runs
