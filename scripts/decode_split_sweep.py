@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from bem.kernels import bench, custom_ops, ops
 
 SCALING = 0.5
-STREAM, TILES, ROWS, TMA, COLUMNS_MMA, COLUMNS, GEMV = 1, 5, 8, 9, 10, 11, 12  # linear modes: the streaming, tiles,
-# row-split, TMA, the tensor-core and CUDA-core transposed-weight, and the warp-a-row decode kernels
+STREAM, TILES, ROWS, TMA, COLUMNS_MMA, COLUMNS = 1, 5, 8, 9, 10, 11  # linear modes: the streaming, tiles, row-split,
+# TMA, and the tensor-core and CUDA-core transposed-weight decode kernels
 GEMM_THEN_UPDATE, UPDATE_THEN_GEMM = 2, 3  # cuBLAS, then the update kernel adds; the update, then cuBLAS adds
 
 
@@ -75,7 +75,6 @@ def sweep_row(M: int, K: int, N: int, r: int, l2_bytes: int, conv1d: bool,
         for split in (1, 2, 4, 8):
             variants[f"stream k/{split}"] = linear(STREAM, split)
         variants["rows"] = linear(ROWS)
-        variants["gemv"] = linear(GEMV)
         variants["tma"] = linear(TMA)
         for split in (1, 2, 4, 8):
             variants[f"tma k/{split}"] = linear(TMA, split)
@@ -110,7 +109,7 @@ def main() -> None:
     splits = ("", " k/1", " k/2", " k/4", " k/8")
     if not args.conv1d:
         names = ["default", "tiles", "stream k/1", "stream k/2", "stream k/4", "stream k/8", "rows", "gemm, upd",
-                 "upd, gemm"] + [f"tma{s}" for s in splits] + ["gemv"]
+                 "upd, gemm"] + [f"tma{s}" for s in splits]
     else:
         names = ["default", "tiles"] + [f"columns{s}" for s in splits] + [f"mma{s}" for s in splits] + [
             "gemm, upd", "upd, gemm"]

@@ -141,15 +141,13 @@ def test_decode_tma_kernel_matches_float64(dtype, split_k, M, K, N, r):
 
 @hopper
 @fused_gemm
-@pytest.mark.parametrize("M,K,N,kernel", [(16, 8960, 1536, "decode_tma_kernel"), (2, 2048, 8192, "decode_tma_kernel"),
+@pytest.mark.parametrize("M,K,N,kernel", [(16, 8960, 1536, "decode_tma_kernel"), (1, 2048, 8192, "decode_tma_kernel"),
                                           (9, 3072, 3000, "decode_tma_kernel"), (16, 1536, 8960, "decode_stream_kernel"),
-                                          (4, 2048, 2048, "decode_rows_kernel"), (1, 2048, 8192, "decode_gemv_kernel"),
-                                          (1, 576, 576, "decode_rows_kernel"), (1, 8192, 2048, "decode_gemv_kernel")])
+                                          (4, 2048, 2048, "decode_rows_kernel")])
 def test_captured_decode_dispatch_takes_the_tma_kernel_from_k_2048(M, K, N, kernel, tmp_path):
-    """Mode 1 without a split, captured into a CUDA graph (where a second launch costs no host time): at one token
-    a warp a row of W where the row kernel does not take the shape; above one token the TMA kernel from K = 2048 up
-    where the row kernel does not take it, the streaming kernel below; the graph's own dump names the kernel, and
-    its replay is exact against float64."""
+    """Mode 1 without a split, captured into a CUDA graph (where the TMA kernel's projection launch costs no host
+    time): the TMA kernel from K = 2048 up where the row kernel does not take the shape, the streaming kernel
+    below; the graph's own dump names the kernel, and its replay is exact against float64."""
     x, W, b, V, c, U = operands(M, K, N, 8, torch.bfloat16, codes=True, seed=stable_seed(M, K, N, "captured"))
     ref = linear_ref64(x, W, b, V, c, U, 1.25)
     torch_err = rel_err(reference.bem_linear(x, W, b, V, c, U, 1.25), ref)
@@ -157,35 +155,6 @@ def test_captured_decode_dispatch_takes_the_tma_kernel_from_k_2048(M, K, N, kern
     out, dump = captured_replay(lambda: custom_ops._C.linear_forward(x, W, b, V, c, U, 1.25, 0, 0, False)[0], tmp_path)
     assert kernel in dump
     assert rel_err(out, ref) <= bound(torch_err, torch.bfloat16)
-
-
-@hopper
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("M", [1, 2, 3, 4])
-@pytest.mark.parametrize("K,N", [(8, 5), (264, 77), (1000, 136), (2048, 1000), (4104, 33), (16, 4100)])
-@pytest.mark.parametrize("r", [1, 8, 13, 64])
-def test_decode_gemv_kernel_matches_float64(dtype, M, K, N, r):
-    """Mode 12, a warp a row of W, then the update launch: K from 8 to 4104 (rows shorter than a lane's batch, one
-    batch exactly, two and a remainder of one piece), N odd and below one block's 8 rows, 1 to 4 tokens, ranks 1 to
-    64 (U's values on lanes j and j + 32; V's rows loaded whole at ranks 8 and 64), with and without bias and codes;
-    two calls give identical bits; the profile names both launches."""
-    seed = stable_seed(M, K, N, r, str(dtype), "gemv")
-    x, W, b, V, c, U = operands(M, K, N, r, dtype, codes=r != 13, seed=seed)
-    names = decode_calls_agree(x, W, None if r == 64 else b, V, c, U, 0, mode=12)
-    assert any("decode_gemv_kernel" in n for n in names) and any("decode_gemv_update_kernel" in n for n in names), names
-
-
-@hopper
-@pytest.mark.parametrize("case", ["transposed", "tokens", "rank", "split"])
-def test_decode_gemv_kernel_refuses_what_it_does_not_take(case):
-    """Mode 12 asked for where it does not run: a clear error naming the kernel and its limits, no launch."""
-    M = 5 if case == "tokens" else 2
-    r = 65 if case == "rank" else 8
-    x, W, b, V, c, U = operands(M, 256, 64, r, torch.bfloat16, codes=True, seed=stable_seed(case, "gemv refusals"))
-    W = conv1d_layout(W) if case == "transposed" else W
-    split = 2 if case == "split" else 0
-    with pytest.raises(ValueError, match="one-row-a-warp decode kernel"):
-        custom_ops._C.linear_forward(x, W, b, V, c, U, 1.0, 12, split)
 
 
 def captured_replay(call, tmp_path) -> tuple[torch.Tensor, str]:
@@ -220,8 +189,7 @@ def test_decode_dispatch_takes_the_row_kernel_for_small_matrices(M, K, N, rows):
 @hopper
 @pytest.mark.parametrize("graph", [False, True])
 @pytest.mark.parametrize("K,N,mode,kernel", [(1536, 576, 8, "decode_rows_kernel"),
-                                             (4096, 4096, 1, "decode_stream_kernel"),
-                                             (2048, 1000, 12, "decode_gemv_kernel")])
+                                             (4096, 4096, 1, "decode_stream_kernel")])
 def test_decode_kernels_read_what_the_kernel_before_them_wrote(graph, K, N, mode, kernel):
     """The row-split kernel may start before the kernel ahead of it on the stream has finished (it only
     prefetches W into L2 until that is done; the streaming kernel's in-block form, beside it, starts in

@@ -99,8 +99,8 @@ def test_kernel_choice_arguments_are_checked():
         with pytest.raises(ValueError, match="stream_cluster above 1 needs thread-block clusters"):
             custom_ops._C.update_forward(x, V, None, U, 1.0, 1, 0, 2)
     W = torch.randn(16, 32, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="unknown linear mode 13"):
-        custom_ops._C.linear_forward(x, W, None, V, None, U, 1.0, 13)
+    with pytest.raises(ValueError, match="unknown linear mode 12"):
+        custom_ops._C.linear_forward(x, W, None, V, None, U, 1.0, 12)
     with pytest.raises(ValueError, match="gemm_tile_n must be 0 .chosen by shape., 128 or 256, got 64"):
         custom_ops._C.linear_forward(x, W, None, V, None, U, 1.0, 6, gemm_tile_n=64)
     if torch.cuda.get_device_capability()[0] >= 9:  # the streaming decode kernel runs on Hopper

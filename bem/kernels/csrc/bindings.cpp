@@ -40,7 +40,6 @@ enum LinearMode : int64_t {
   kDecodeTma = 9,        // the TMA decode kernel (decode_tma.cu: M <= 16, sm_90a, W by tensor-map copies)
   kDecodeColumnsMma = 10,  // the tensor-core kernel for a transposed weight (decode_columns_mma.cu: M <= 16)
   kDecodeColumns = 11,     // the CUDA-core kernel for a transposed weight (decode_columns.cu: M <= 4)
-  kDecodeGemv = 12,        // the projection, then a warp a row of W (decode_gemv.cu: M <= 4, row-major W, sm_90)
 };
 // Chosen by measurement at prefill sizes (docs/kernels.md).
 constexpr LinearMode kPrefillMode = kUpdateThenGemm;
@@ -273,14 +272,14 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
            : choice == GemmUpdateChoice::kProjected ? kGemmUpdateProjected
                                                     : kPrefillMode;
   }
-  BEM_CHECK(mode >= kDecode && mode <= kDecodeGemv, "unknown linear mode ", mode);
+  BEM_CHECK(mode >= kDecode && mode <= kDecodeColumns, "unknown linear mode ", mode);
   BEM_CHECK(gemm_tile_n == 0 || gemm_tile_n == 128 || gemm_tile_n == 256,
             "gemm_tile_n must be 0 (chosen by shape), 128 or 256, got ", gemm_tile_n);
   if (!tensor_core_dtype(x) || M == 0) mode = kGemmThenUpdate;  // float/double: cuBLAS + simple kernels
   const Tensor* bias_ptr = bias.has_value() ? &*bias : nullptr;
 
   if (mode == kDecode || mode == kDecodeTiles || mode == kDecodeRows || mode == kDecodeTma ||
-      mode == kDecodeColumnsMma || mode == kDecodeColumns || mode == kDecodeGemv) {
+      mode == kDecodeColumnsMma || mode == kDecodeColumns) {
     BEM_CHECK(fits_decode, "the decode kernel takes 1..", kDecodeMaxTokens,
                 " float16/bfloat16 tokens, got M = ", M, " of ", x.scalar_type());
     DecodeArgs args{};
@@ -325,22 +324,6 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
       BEM_CHECK(sm90a_runs(x.get_device()) && decode_tma_fits(args, cc), "the TMA decode kernel takes a row-major weight, 1..",
                 kDecodeStreamMaxTokens, " tokens, ranks 1..", kDecodeStreamMaxRank, ", K a multiple of 8 and ",
                 "16-byte aligned x and weight on a compute capability 9.0 GPU with this build's sm_90a code");
-    }
-    const bool gemv_fit = (mode == kDecode || mode == kDecodeGemv) && decode_gemv_fits(args, cc);
-    if (mode == kDecodeGemv) {
-      BEM_CHECK(gemv_fit, "the one-row-a-warp decode kernel takes a row-major weight, 1..", kDecodeGemvMaxTokens,
-                " tokens, ranks 1..", kDecodeStreamMaxRank, ", K a multiple of 8 and 16-byte aligned x and weight on a ",
-                "compute capability 9.0 GPU");
-      BEM_CHECK(split_k == 0, "the one-row-a-warp decode kernel does not split K (split_k = 0), got split_k = ",
-                split_k);
-    }
-    // Under CUDA-graph capture, where its second launch (the projection) costs no host time, a warp a row of W
-    // where decode_gemv_takes the call; eagerly the one-launch kernels below.
-    if (gemv_fit && (mode == kDecodeGemv || (split_k == 0 && capturing_now() && decode_gemv_takes(args)))) {
-      Tensor ws = at::empty({M, N}, x.options().dtype(at::kFloat));
-      args.ws = ws.data_ptr<float>();
-      C10_CUDA_CHECK(launch_decode_gemv(dtype_of(x), args, stream_now()));
-      return {Y, P};
     }
     // Small matrices: the row-split kernel (no clusters), where its rule takes the shape.
     if (rows_fit && (mode == kDecodeRows || (split_k == 0 && decode_rows_takes((int)N, (int)K)))) {

@@ -182,14 +182,6 @@ bool decode_columns_takes(const DecodeArgs& args);  // where the dispatch prefer
 int decode_columns_split(int M, int N, int K, int r, int device);
 cudaError_t launch_decode_columns(DType dtype, const DecodeArgs& args, cudaStream_t stream);
 
-// The CUDA-core decode kernel at 1..kDecodeGemvMaxTokens tokens on a row-major weight (decode_gemv.cu; sm_90, K % 8
-// == 0, r <= kDecodeStreamMaxRank, X and W 16-byte aligned): two launches, a warp a row of W (X W^T into ws, fp32
-// M x N, its scratch), then the update, the bias and P (when set).
-constexpr int kDecodeGemvMaxTokens = 4;
-bool decode_gemv_fits(const DecodeArgs& args, int cc_major);
-bool decode_gemv_takes(const DecodeArgs& args);  // where the dispatch prefers it under CUDA-graph capture
-cudaError_t launch_decode_gemv(DType dtype, const DecodeArgs& args, cudaStream_t stream);
-
 // The tensor-core decode kernel for a weight stored transposed (decode_columns_mma.cu; sm_90, M <=
 // kDecodeColumnsMmaMaxTokens, r 8 or 16, K and N multiples of 8, X, W and V 16-byte aligned), one launch: split_k
 // its thread-block cluster size (1, 2, 4 or 8), k_per_split a multiple of 16 (decode_columns_mma_k_per_split).
