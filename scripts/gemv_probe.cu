@@ -3,7 +3,8 @@
 //
 //   W: N x K row-major bf16, x: K bf16, y: N bf16, fp32 accumulation.
 //
-// Build: nvcc -std=c++17 -O3 -arch=sm_90a -lcublas -o gemv_probe gemv_probe.cu
+// Build: nvcc -std=c++17 -O3 -arch=sm_90a -lcublas -o gemv_probe gemv_probe.cu  (on the device, with the
+//        cuBLAS headers and library of the nvidia-cublas wheel torch brings: -I .../nvidia/cu13/include, -L .../lib)
 // Run:   ./gemv_probe [--shapes KxN,KxN,...] [--rounds 3] [--reps 50] [--warmup 20] [--only SUB1,SUB2]
 //
 // Variants (all compute the same y):
@@ -12,6 +13,9 @@
 //   C  one block per SM, 1 producer thread issuing 1-D bulk copies (cp.async.bulk) of whole rows into a
 //      STAGES-deep shared-memory ring with full/empty mbarriers, 8 consumer warps
 //   D  = C launched as thread-block clusters of 2 (each block still owns its own rows)
+//   E  = "A r1 u8 xg" plus what a BEM decode kernel adds: U[n] . z at rank 8 (U's row loaded before or after the
+//      row's loop), z from a one-block projection launched before it, in stream order or as its programmatic
+//      dependent launch (griddepcontrol.wait before reading z)
 // x is staged in shared memory once per block in every variant, except the two extra "xg" variants of A,
 // which read x with __ldg in the inner loop (to see whether the staging barrier delays short-lived blocks).
 // "pf" variants add the .L2::256B prefetch-size hint to the W loads.
@@ -206,6 +210,71 @@ __global__ void __launch_bounds__(AB_THREADS) gemv_warp(const bf16* __restrict__
 }
 
 // ------------------------------------------------------------------------------------------------
+// E: "A r1 u8 xg" with what a BEM decode kernel adds: each output also gets U[n] . z (rank 8), z written by a
+// projection launched just before (one block: z = V^T x). U and V are zeros, so y is still W x and the check
+// above holds; their loads and the launches cost what they would. WAIT: launched as a programmatic dependent of
+// the projection (griddepcontrol.wait before reading z); EARLY_U: U's row loaded before the row's loop, not after.
+// ------------------------------------------------------------------------------------------------
+__global__ void __launch_bounds__(256) proj8(const bf16* __restrict__ x, const bf16* __restrict__ Vm,
+                                              float* __restrict__ z, int K) {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  __shared__ float part[256][8];
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+  for (int k = threadIdx.x; k < K; k += 256) {
+    const float xk = __bfloat162float(x[k]);
+    const uint4 vv = __ldg(reinterpret_cast<const uint4*>(Vm + (size_t)k * 8));
+    const bf16* ve = reinterpret_cast<const bf16*>(&vv);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = fmaf(xk, __bfloat162float(ve[i]), acc[i]);
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) part[threadIdx.x][i] = acc[i];
+  __syncthreads();
+  if (threadIdx.x < 8) {
+    float sum = 0.f;
+    for (int t = 0; t < 256; ++t) sum += part[t][threadIdx.x];
+    z[threadIdx.x] = sum;
+  }
+}
+
+template <bool WAIT, bool EARLY_U>
+__global__ void __launch_bounds__(AB_THREADS) gemv_uz(const bf16* __restrict__ W, const bf16* __restrict__ x,
+                                                      bf16* __restrict__ y, int N, int K, const bf16* __restrict__ Um,
+                                                      const float* __restrict__ z) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int n = blockIdx.x * AB_WARPS + warp;
+  if (n >= N) return;
+  const int V = K >> 3;
+  const uint4* wr = reinterpret_cast<const uint4*>(W) + (size_t)n * V;
+  const uint4* x4 = reinterpret_cast<const uint4*>(x);
+  float u = 0.f;
+  if (EARLY_U && lane < 8) u = __bfloat162float(Um[(size_t)n * 8 + lane]);
+  float a0 = 0.f, a1 = 0.f;
+  int v = lane;
+  for (; v + 32 * 7 < V; v += 32 * 8) {
+    uint4 w[8];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) w[q] = ld_stream<false>(wr + v + 32 * q);
+#pragma unroll
+    for (int q = 0; q < 8; ++q) dot8(w[q], __ldg(x4 + v + 32 * q), a0, a1);
+  }
+  if (v < V) {
+    uint4 w[8];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) w[q] = (v + 32 * q < V) ? ld_stream<false>(wr + v + 32 * q) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int q = 0; q < 8; ++q)
+      if (v + 32 * q < V) dot8(w[q], __ldg(x4 + v + 32 * q), a0, a1);
+  }
+  if (!EARLY_U && lane < 8) u = __bfloat162float(Um[(size_t)n * 8 + lane]);
+  if (WAIT) asm volatile("griddepcontrol.wait;" ::: "memory");
+  float sum = a0 + a1 + (lane < 8 ? u * z[lane] : 0.f);
+  sum = warp_sum(sum);
+  if (lane == 0) y[n] = __float2bfloat16(sum);
+}
+
+// ------------------------------------------------------------------------------------------------
 // C / D: bulk-copy ring. Block = CW consumer warps + 1 producer warp (lane 0 issues the copies).
 // A "chunk" = RPC whole consecutive rows (contiguous RPC*K*2 bytes, a multiple of 16); chunk c holds
 // rows [c*RPC, min(N, (c+1)*RPC)). Block b takes chunks b, b+G, b+2G... (round robin, contig=0) or a
@@ -363,6 +432,38 @@ static Variant make_warp(const std::string& name, const Dev& d, int N, int K, co
   v.launch = [=](const bf16* W, cudaStream_t st) {
     kern<<<grid, AB_THREADS, smem, st>>>(W, x, y, N, K);
     CK(cudaGetLastError());
+  };
+  return v;
+}
+
+// E variants. proj: launch the projection first (else z is read as it is); pdl: the GEMV as its programmatic
+// dependent (else in stream order).
+template <bool EARLY_U>
+static Variant make_uz(const std::string& name, bool proj, bool pdl, int N, int K, const bf16* x, bf16* y,
+                       const bf16* Um, const bf16* Vm, float* z) {
+  Variant v;
+  v.name = name;
+  const int grid = (N + AB_WARPS - 1) / AB_WARPS;
+  v.info = "grid " + std::to_string(grid) + " x " + std::to_string(AB_THREADS) + " thr" +
+           (proj ? (pdl ? ", after a 1-block projection (PDL)" : ", after a 1-block projection") : ", z ready");
+  v.launch = [=](const bf16* W, cudaStream_t st) {
+    if (proj) {
+      proj8<<<1, 256, 0, st>>>(x, Vm, z, K);
+      CK(cudaGetLastError());
+    }
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(AB_THREADS);
+    cfg.stream = st;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = proj && pdl ? 1 : 0;
+    if (proj && pdl)
+      CK(cudaLaunchKernelEx(&cfg, gemv_uz<true, EARLY_U>, W, x, y, N, K, Um, (const float*)z));
+    else
+      CK(cudaLaunchKernelEx(&cfg, gemv_uz<false, EARLY_U>, W, x, y, N, K, Um, (const float*)z));
   };
   return v;
 }
@@ -536,6 +637,14 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&Wall, wbytes * copies));
     CK(cudaMalloc(&x, (size_t)K * 2));
     CK(cudaMalloc(&y, (size_t)N * 2));
+    bf16 *Um, *Vm;  // the E variants' rank-8 U (N x 8) and V (K x 8): zeros, so y stays W x
+    float* z;
+    CK(cudaMalloc(&Um, (size_t)N * 8 * 2));
+    CK(cudaMalloc(&Vm, (size_t)K * 8 * 2));
+    CK(cudaMalloc(&z, 8 * sizeof(float)));
+    CK(cudaMemset(Um, 0, (size_t)N * 8 * 2));
+    CK(cudaMemset(Vm, 0, (size_t)K * 8 * 2));
+    CK(cudaMemset(z, 0, 8 * sizeof(float)));
     for (int c = 0; c < copies; ++c) {
       fill_uniform<<<1024, 256, 0, st>>>(Wall + c * NK, NK, 1000 + c);
       CK(cudaGetLastError());
@@ -590,6 +699,11 @@ int main(int argc, char** argv) {
     vs.push_back(make_warp<4, 4, true, false>("B r4 u4", d, N, K, x, y));
     vs.push_back(make_warp<4, 8, true, false>("B r4 u8", d, N, K, x, y));
     vs.push_back(make_warp<2, 8, true, true>("B r2 u8 pf", d, N, K, x, y));
+    vs.push_back(make_uz<true>("E uz", false, false, N, K, x, y, Um, Vm, z));
+    vs.push_back(make_uz<false>("E uz lateU", false, false, N, K, x, y, Um, Vm, z));
+    vs.push_back(make_uz<true>("E proj seq", true, false, N, K, x, y, Um, Vm, z));
+    vs.push_back(make_uz<true>("E proj pdl", true, true, N, K, x, y, Um, Vm, z));
+    vs.push_back(make_uz<false>("E proj pdl lateU", true, true, N, K, x, y, Um, Vm, z));
     const int KB = 1024;
     //                      name            stages chunk  cluster contig dgrid
     vs.push_back(make_bulk("C s4 16K", 4, 16 * KB, 1, 0, false, d, N, K, x, y));
@@ -687,6 +801,9 @@ int main(int argc, char** argv) {
     CK(cudaFree(Wall));
     CK(cudaFree(x));
     CK(cudaFree(y));
+    CK(cudaFree(Um));
+    CK(cudaFree(Vm));
+    CK(cudaFree(z));
   }
   g_where = "printing";
 
