@@ -29,6 +29,25 @@ SCALING = 0.5
 STREAM, TILES, ROWS, TMA, COLUMNS_MMA, COLUMNS = 1, 5, 8, 9, 10, 11  # linear modes: the streaming, tiles, row-split,
 # TMA, and the tensor-core and CUDA-core transposed-weight decode kernels
 GEMM_THEN_UPDATE, UPDATE_THEN_GEMM = 2, 3  # cuBLAS, then the update kernel adds; the update, then cuBLAS adds
+SPLITS = (1, 2, 4, 8)  # the cluster sizes each kernel's `k/s` columns force
+
+
+def split_names(kernel: str, own: bool = True) -> list[str]:
+    """A kernel's columns: at its own split (`own`), then at each forced cluster size."""
+    return ([kernel] if own else []) + [f"{kernel} k/{split}" for split in SPLITS]
+
+
+def column_names(conv1d: bool) -> list[str]:
+    """The table's columns after F.linear, in order."""
+    if conv1d:
+        return ["default", "tiles"] + split_names("columns") + split_names("mma") + ["gemm, upd", "upd, gemm"]
+    return (["default", "tiles"] + split_names("stream", own=False) + ["rows", "gemm, upd", "upd, gemm"]
+            + split_names("tma"))
+
+
+def selected(name: str, only: tuple[str, ...]) -> bool:
+    """Whether `--only`'s prefixes keep a column (all do without it)."""
+    return not only or any(name.startswith(prefix) for prefix in only)
 
 
 def default_shapes() -> list[tuple[int, int, int, int]]:
@@ -64,25 +83,22 @@ def sweep_row(M: int, K: int, N: int, r: int, l2_bytes: int, conv1d: bool,
                                             pick(i)["c"].detach(), pick(i)["U"].detach(), SCALING),
         "tiles": linear(TILES),
     }
+
+    def add_splits(kernel: str, mode: int, own: bool = True) -> None:
+        for name, split in zip(split_names(kernel, own), ((0,) if own else ()) + SPLITS):
+            variants[name] = linear(mode, split)
+
     if conv1d:
-        variants["columns"] = linear(COLUMNS)
-        for split in (1, 2, 4, 8):
-            variants[f"columns k/{split}"] = linear(COLUMNS, split)
-        variants["mma"] = linear(COLUMNS_MMA)
-        for split in (1, 2, 4, 8):
-            variants[f"mma k/{split}"] = linear(COLUMNS_MMA, split)
-    if not conv1d:  # above its K limit the row-split kernel refuses, and is left out below
-        for split in (1, 2, 4, 8):
-            variants[f"stream k/{split}"] = linear(STREAM, split)
+        add_splits("columns", COLUMNS)
+        add_splits("mma", COLUMNS_MMA)
+    else:  # above its K limit the row-split kernel refuses, and is left out below
+        add_splits("stream", STREAM, own=False)
         variants["rows"] = linear(ROWS)
-        variants["tma"] = linear(TMA)
-        for split in (1, 2, 4, 8):
-            variants[f"tma k/{split}"] = linear(TMA, split)
+        add_splits("tma", TMA)
     variants["gemm, upd"] = linear(GEMM_THEN_UPDATE)
     variants["upd, gemm"] = linear(UPDATE_THEN_GEMM)
-    if only:  # F.linear, the ratios' denominator, always
-        variants = {name: fn for name, fn in variants.items()
-                    if name == "F.linear" or any(name.startswith(prefix) for prefix in only)}
+    # F.linear, the ratios' denominator, always
+    variants = {name: fn for name, fn in variants.items() if name == "F.linear" or selected(name, only)}
     usable = {}
     for name, fn in variants.items():  # a split the kernel refuses at this shape is left out
         try:
@@ -106,15 +122,8 @@ def main() -> None:
                                                                       else default_shapes())
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
     bench.warm_up()
-    splits = ("", " k/1", " k/2", " k/4", " k/8")
-    if not args.conv1d:
-        names = ["default", "tiles", "stream k/1", "stream k/2", "stream k/4", "stream k/8", "rows", "gemm, upd",
-                 "upd, gemm"] + [f"tma{s}" for s in splits]
-    else:
-        names = ["default", "tiles"] + [f"columns{s}" for s in splits] + [f"mma{s}" for s in splits] + [
-            "gemm, upd", "upd, gemm"]
     only = tuple(args.only.split(",")) if args.only else ()
-    names = [n for n in names if not only or any(n.startswith(prefix) for prefix in only)]
+    names = [n for n in column_names(args.conv1d) if selected(n, only)]
     print(f"{'M x K x N x r':<20}{'F.linear µs':>12}" + "".join(f"{n:>12}" for n in names))
     for M, K, N, r in shapes:
         times = sweep_row(M, K, N, r, l2_bytes, args.conv1d, only)
