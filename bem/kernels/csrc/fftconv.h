@@ -51,6 +51,21 @@ struct ForwardArgs {
   bool gelu;
 };
 
+// The tensor-core forward (fftconv_tc.cu): bfloat16 rows, 1024 <= M <= 8192, compute capability 9.0 and
+// later; the same operands as ForwardArgs, with B and H given apart (two batch rows of a head share a transform).
+struct TcForwardArgs {
+  const void* u;
+  const void* pregate;
+  const void* postgate;
+  const float2* S;
+  const float* D;
+  void* y;
+  int B, H, L;
+  bool gelu;
+};
+bool tc_forward_takes(Dtype dtype, int M, int cc_major, int smem_optin);
+cudaError_t launch_tc_forward(int M, const TcForwardArgs& args, int num_sms, cudaStream_t stream);
+
 // The backward (bem/kernels/fftconv/custom_ops.py has the formulas). Outputs that are null are not
 // computed. Each item (h, group of rows_per_group batch rows) writes its share of dk to dk_part, float32
 // (H, groups, taps), and of dD to dD_part, float32 (H, groups). scratch: float32, backward_blocks() *

@@ -115,6 +115,14 @@ std::vector<Tensor> fftconv_forward(const Tensor& u, const Tensor& k, const OptT
   const Tensor S = spectrum_for(k, s, spectrum);
   const Tensor kept = keep ? S : at::empty({0}, complex64);
   const OptTensor D32 = float32(D);
+  if (tc_path(s.dtype, s.M, u.get_device())) {
+    const fc::TcForwardArgs args{u.data_ptr(), ptr(pregate), ptr(postgate),
+                                 reinterpret_cast<const float2*>(S.data_ptr()),
+                                 D32.has_value() ? D32->data_ptr<float>() : nullptr,
+                                 y.data_ptr(), (int)s.B, (int)s.H, (int)s.L, gelu};
+    C10_CUDA_CHECK(fc::launch_tc_forward((int)s.M, args, num_sms(u.get_device()), stream_now()));
+    return {y, kept};
+  }
   if (block_path(s.M, u.get_device())) {
     const fc::ForwardArgs args{u.data_ptr(), ptr(pregate), ptr(postgate),
                                reinterpret_cast<const float2*>(S.data_ptr()),

@@ -5,6 +5,8 @@
 
 #include <torch/extension.h>
 
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "device_info.h"
@@ -46,6 +48,13 @@ inline bool block_path(int64_t M, int device) {
 // The four-step forward takes 16384 < M <= 2^20 where its rows kernel's shared memory fits the device.
 inline bool tiled_path(int64_t M, int device) {
   return fc::tiled_length(M) && fc::tiled_rows_smem_bytes() <= shared_memory_optin(device);
+}
+
+// The tensor-core forward takes bfloat16 rows of 1024 <= M <= 8192 on compute capability 9.0 and later, unless
+// BEM_FFTCONV_TENSOR_CORES=0 (the benchmark's and the tests' way to time and check the block kernels beside it).
+inline bool tc_path(const fc::Dtype dtype, int64_t M, int device) {
+  const char* off = std::getenv("BEM_FFTCONV_TENSOR_CORES");  // read per call: a process may time both
+  return !(off != nullptr && std::string(off) == "0") && fc::tc_forward_takes(dtype, (int)M, cc_major(device), shared_memory_optin(device));
 }
 
 inline const void* ptr(const OptTensor& t) { return t.has_value() ? t->data_ptr() : nullptr; }

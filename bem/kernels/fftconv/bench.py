@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from typing import Callable
 
 import torch
@@ -41,6 +42,22 @@ def _sets(B: int, H: int, L: int, l2_bytes: int) -> list[dict]:
     return sets
 
 
+def _block_kernels(fn: Callable[[int], object]) -> Callable[[int], object]:
+    """fn with the tensor-core forward switched off (BEM_FFTCONV_TENSOR_CORES=0, read per call; a captured graph
+    keeps the kernel chosen while it was captured): the block kernels it replaces, timed beside it."""
+    def run(i):
+        before = os.environ.get("BEM_FFTCONV_TENSOR_CORES")
+        os.environ["BEM_FFTCONV_TENSOR_CORES"] = "0"
+        try:
+            return fn(i)
+        finally:
+            if before is None:
+                del os.environ["BEM_FFTCONV_TENSOR_CORES"]
+            else:
+                os.environ["BEM_FFTCONV_TENSOR_CORES"] = before
+    return run
+
+
 def _variants(sets: list[dict]) -> tuple[dict[str, Callable[[int], object]], dict[str, Callable[[int], object]]]:
     def pick(i):
         return sets[i % len(sets)]
@@ -50,6 +67,8 @@ def _variants(sets: list[dict]) -> tuple[dict[str, Callable[[int], object]], dic
         "op": lambda i: custom_ops.fftconv(pick(i)["u"], pick(i)["k"], pick(i)["D"], None, None, False, None),
         "op, cached S": lambda i: custom_ops.fftconv(pick(i)["u"], pick(i)["k"], pick(i)["D"], None, None, False,
                                                      pick(i)["S"]),
+        "op, block kernels": _block_kernels(lambda i: custom_ops.fftconv(pick(i)["u"], pick(i)["k"], pick(i)["D"],
+                                                                         None, None, False, None)),
     }
 
     def grads(fn):
@@ -109,12 +128,14 @@ def format_table(results: list[dict], step: dict, device: str) -> str:
     lines = [f"fftconv, {device}, bf16 u and k, float32 D; ratios: x torch = PyTorch rfft path's time / the op's "
              "(higher is better), x floor = the op's time / the byte floor (read u, write y at copy rate)",
              f"{'B':>3}{'H':>5}{'L':>9} | {'fwd torch':>10}{'fwd op':>9}{'x torch':>8}{'x floor':>8}"
-             f"{'cached S':>9}{'x floor':>8} | {'f+b torch':>10}{'f+b op':>9}{'x torch':>8}  (ms)"]
+             f"{'cached S':>9}{'x floor':>8}{'blocks':>8} | {'f+b torch':>10}{'f+b op':>9}{'x torch':>8}  (ms; "
+             "blocks: the forward on the block kernels, where the tensor-core one takes the call)"]
     for r in results:
         s, f, fb = r["shape"], r["forward_ms"], r["forward_backward_ms"]
         lines.append(
             f"{s['B']:>3}{s['H']:>5}{s['L']:>9} | {f['torch']:>10.3f}{f['op']:>9.3f}{f['torch'] / f['op']:>8.2f}"
-            f"{f['op'] / r['floor_ms']:>8.2f}{f['op, cached S']:>9.3f}{f['op, cached S'] / r['floor_ms']:>8.2f} | "
+            f"{f['op'] / r['floor_ms']:>8.2f}{f['op, cached S']:>9.3f}{f['op, cached S'] / r['floor_ms']:>8.2f}"
+            f"{f['op, block kernels']:>8.3f} | "
             f"{fb['torch']:>10.3f}{fb['op']:>9.3f}{fb['torch'] / fb['op']:>8.2f}" + ("  eager" if r["eager"] else ""))
     by_shape = {(r["shape"]["B"], r["shape"]["H"], r["shape"]["L"]): r for r in results}
     if (8, 864, 3000) in by_shape and (8, 768, 4096) in by_shape:
