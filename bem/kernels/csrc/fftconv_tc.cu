@@ -182,6 +182,7 @@ struct TcParams {
   __nv_bfloat16* y;
   int B, H, L, chunks;
   bool gelu;
+  bool vec;  // 16-byte accesses: L a multiple of 8 and every row pointer 16-byte aligned
 };
 
 template <int N>
@@ -319,14 +320,224 @@ __device__ __forceinline__ float gated(const __nv_bfloat16* u, const __nv_bfloat
   return gate ? v * __bfloat162float(gate[at]) : v;
 }
 
+__device__ __forceinline__ void unpack_bf16x8(const uint4& w, float (&out)[8]) {
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[i]));
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+
+// V values of `row` from `at` (zero past L): one 16-byte load where the rows are aligned and all V lie inside
+template <int V>
+__device__ __forceinline__ void load_row(const __nv_bfloat16* base, int64_t row, int at, int L, bool vec,
+                                         float (&out)[V]) {
+  if constexpr (V == 8) {
+    if (vec && at + 8 <= L) {
+      unpack_bf16x8(*reinterpret_cast<const uint4*>(base + row + at), out);
+      return;
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < V; ++e) out[e] = at + e < L ? __bfloat162float(base[row + at + e]) : 0.f;
+}
+
+template <int V>
+__device__ __forceinline__ void load_gated(const TcParams& p, int64_t row, int at, bool vec, float (&v)[V]) {
+  load_row<V>(p.u, row, at, p.L, vec, v);
+  if (p.pregate) {
+    float g[V];
+    load_row<V>(p.pregate, row, at, p.L, vec, g);
+#pragma unroll
+    for (int e = 0; e < V; ++e) v[e] *= g[e];
+  }
+}
+
+template <int V>
+__device__ __forceinline__ void store_row(__nv_bfloat16* base, int64_t row, int at, int L, bool vec,
+                                          const float (&y)[V]) {
+  if constexpr (V == 8) {
+    if (vec && at + 8 <= L) {
+      uint4 w;
+      uint32_t* words = reinterpret_cast<uint32_t*>(&w);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const __nv_bfloat162 b = __floats2bfloat162_rn(y[2 * i], y[2 * i + 1]);
+        words[i] = *reinterpret_cast<const uint32_t*>(&b);
+      }
+      *reinterpret_cast<uint4*>(base + row + at) = w;
+      return;
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < V; ++e)
+    if (at + e < L) base[row + at + e] = __float2bfloat16_rn(y[e]);
+}
+
+// The CUDA-core passes: each thread takes V consecutive j of the radix-r pass at a time (16-byte accesses)
+template <int N>
+struct Simt {
+  static constexpr int kR = TcShape<N>::kR, kS0 = TcShape<N>::kS0;
+  static constexpr int kV = kS0 / kPipeThreads < 8 ? kS0 / kPipeThreads : 8;
+  static constexpr int kChunks = kS0 / (kV * kPipeThreads);
+  static constexpr int kLive = kR > 1 ? kR / 2 : 1;  // L <= N / 2: the upper half of the inputs is zero
+  static_assert(kV >= 1 && kChunks * kV * kPipeThreads == kS0, "the radix-r pass's split");
+
+  static __device__ int first_j(int tid, int chunk) { return (chunk * kPipeThreads + tid) * kV; }
+
+  // W_N^{±j}
+  static __device__ float2 root(int j, bool inverse) {
+    float s, c;
+    __sincosf((inverse ? 6.283185307179586f : -6.283185307179586f) * (float)j / (float)N, &s, &c);
+    return make_float2(c, s);
+  }
+
+  // the largest |v| of each row over this thread's points
+  static __device__ float2 row_max(const TcParams& p, int64_t row1, int64_t row2, bool two, int tid, bool vec) {
+    float2 m = make_float2(0.f, 0.f);
+#pragma unroll
+    for (int chunk = 0; chunk < kChunks; ++chunk) {
+#pragma unroll
+      for (int t = 0; t < kLive; ++t) {
+        const int at = first_j(tid, chunk) + t * kS0;
+        float a[kV], b[kV];
+        load_gated<kV>(p, row1, at, vec, a);
+        if (two) load_gated<kV>(p, row2, at, vec, b);
+#pragma unroll
+        for (int e = 0; e < kV; ++e) {
+          m.x = fmaxf(m.x, fabsf(a[e]));
+          if (two) m.y = fmaxf(m.y, fabsf(b[e]));
+        }
+      }
+    }
+    return m;
+  }
+
+  // y_q = r^-1/2 sum_t x_t W_r^{tq} W_N^{jq}, at j + q s0 of the planes
+  static __device__ void forward(const TcParams& p, int64_t row1, int64_t row2, bool two, float s1, float s2,
+                                 __half* re, __half* im, int tid, bool vec) {
+    const float norm = rsqrtf((float)kR);
+#pragma unroll 1
+    for (int chunk = 0; chunk < kChunks; ++chunk) {
+      const int j0 = first_j(tid, chunk);
+      float a[kLive][kV], b[kLive][kV];
+#pragma unroll
+      for (int t = 0; t < kLive; ++t) {
+        load_gated<kV>(p, row1, j0 + t * kS0, vec, a[t]);
+        if (two) load_gated<kV>(p, row2, j0 + t * kS0, vec, b[t]);
+        else
+#pragma unroll
+          for (int e = 0; e < kV; ++e) b[t][e] = 0.f;
+      }
+      __half yr[kR][kV], yi[kR][kV];
+#pragma unroll
+      for (int e = 0; e < kV; ++e) {
+        const float2 w1 = kR > 1 ? root(j0 + e, false) : make_float2(1.f, 0.f);
+        float2 wq = make_float2(norm, 0.f);
+#pragma unroll
+        for (int q = 0; q < kR; ++q) {
+          float2 y = make_float2(a[0][e] * s1, b[0][e] * s2);
+#pragma unroll
+          for (int t = 1; t < kLive; ++t)
+            y = cadd(y, cmul(make_float2(a[t][e] * s1, b[t][e] * s2), w8(t * q * (8 / kR))));
+          y = cmul(y, wq);
+          wq = cmul(wq, w1);
+          yr[q][e] = __float2half_rn(y.x);
+          yi[q][e] = __float2half_rn(y.y);
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < kR; ++q) {
+        const int at = swz(j0 + q * kS0);
+        if constexpr (kV == 8) {
+          *reinterpret_cast<uint4*>(re + at) = *reinterpret_cast<const uint4*>(yr[q]);
+          *reinterpret_cast<uint4*>(im + at) = *reinterpret_cast<const uint4*>(yi[q]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < kV; ++e) {
+            re[at + e] = yr[q][e];
+            im[at + e] = yi[q][e];
+          }
+        }
+      }
+    }
+  }
+
+  // the inverse: x_q = W_N^{-jq} z_q, y_t = r^-1/2 sum_q x_q W_r^{-tq}; then the epilogue on both rows
+  static __device__ void inverse(const TcParams& p, int64_t row1, int64_t row2, bool two, float un1, float un2,
+                                 float D, const __half* re, const __half* im, int tid, bool vec) {
+    const float norm = rsqrtf((float)kR);
+#pragma unroll 1
+    for (int chunk = 0; chunk < kChunks; ++chunk) {
+      const int j0 = first_j(tid, chunk);
+      __half zr[kR][kV], zi[kR][kV];
+#pragma unroll
+      for (int q = 0; q < kR; ++q) {
+        const int at = swz(j0 + q * kS0);
+        if constexpr (kV == 8) {
+          *reinterpret_cast<uint4*>(zr[q]) = *reinterpret_cast<const uint4*>(re + at);
+          *reinterpret_cast<uint4*>(zi[q]) = *reinterpret_cast<const uint4*>(im + at);
+        } else {
+#pragma unroll
+          for (int e = 0; e < kV; ++e) {
+            zr[q][e] = re[at + e];
+            zi[q][e] = im[at + e];
+          }
+        }
+      }
+      float o1[kLive][kV], o2[kLive][kV];
+#pragma unroll
+      for (int e = 0; e < kV; ++e) {
+        const float2 w1 = kR > 1 ? root(j0 + e, true) : make_float2(1.f, 0.f);
+        float2 x[kR];
+        float2 wq = make_float2(norm, 0.f);
+#pragma unroll
+        for (int q = 0; q < kR; ++q) {
+          x[q] = cmul(make_float2(__half2float(zr[q][e]), __half2float(zi[q][e])), wq);
+          wq = cmul(wq, w1);
+        }
+#pragma unroll
+        for (int t = 0; t < kLive; ++t) {
+          float2 y = x[0];
+#pragma unroll
+          for (int q = 1; q < kR; ++q) y = cadd(y, cmul(x[q], w8(-t * q * (8 / kR))));
+          o1[t][e] = y.x * un1;
+          o2[t][e] = y.y * un2;
+        }
+      }
+#pragma unroll
+      for (int t = 0; t < kLive; ++t) {
+        const int at = j0 + t * kS0;
+        if (at >= p.L) break;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          if (r == 1 && !two) break;
+          const int64_t row = r == 0 ? row1 : row2;
+          float v[kV], post[kV], y[kV];
+          load_gated<kV>(p, row, at, vec, v);
+          if (p.postgate) load_row<kV>(p.postgate, row, at, p.L, vec, post);
+#pragma unroll
+          for (int e = 0; e < kV; ++e) {
+            float c = (r == 0 ? o1[t][e] : o2[t][e]) + D * v[e];
+            if (p.gelu) c = gelu_f(c);
+            y[e] = p.postgate ? c * post[e] : c;
+          }
+          store_row<kV>(p.y, row, at, p.L, vec, y);
+        }
+      }
+    }
+  }
+};
+
 template <int N>
 __global__ void __launch_bounds__(kThreads, 1) tc_forward_kernel(const TcParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Shape = TcShape<N>;
   using Block = TcBlock<N>;
-  constexpr int kR = Shape::kR, kS0 = Shape::kS0, kM = N / 2;
-  constexpr int kLive = kR > 1 ? kR / 2 : 1;  // L <= N / 2: the upper half of the CUDA-core pass's inputs is zero
-  const float norm = rsqrtf((float)kR);
+  using Pass = Simt<N>;
+  constexpr int kM = N / 2;
   extern __shared__ __align__(16) unsigned char smem[];
   const int h = blockIdx.x / p.chunks, chunk = blockIdx.x % p.chunks;
   const int pairs = (p.B + 1) / 2;
@@ -348,6 +559,12 @@ __global__ void __launch_bounds__(kThreads, 1) tc_forward_kernel(const TcParams 
   blk.lane = threadIdx.x & 31;
   blk.warp = blk.tid >> 5;
   float* block_scratch = scratch + kPipes * kPipeWarps * 2;
+  const int L = p.L;
+  auto row_of = [&](int b) { return ((int64_t)b * p.H + h) * L; };
+  if (first + pipe < last) {  // this pipeline's first pair into L2 while the spectrum is gathered
+    prefetch_row_l2(p.u + row_of(2 * (first + pipe)), 2 * (int64_t)L, blk.tid, kPipeThreads);
+    if (p.pregate) prefetch_row_l2(p.pregate + row_of(2 * (first + pipe)), 2 * (int64_t)L, blk.tid, kPipeThreads);
+  }
 
   // twiddle tables and the head's spectrum, scaled into float16, in the fused pass's fragment order
   {
@@ -357,10 +574,14 @@ __global__ void __launch_bounds__(kThreads, 1) tc_forward_kernel(const TcParams 
     (threadIdx.x < 256 ? w256 : w4096)[t] = make_float2(c, -s);
   }
   const float2* S = p.S + (int64_t)h * (kM + 1);
+  constexpr int kPerThread = (kM + 1 + kThreads - 1) / kThreads;
+  float2 bins[kPerThread];
   float m = 0.f;
-  for (int f = threadIdx.x; f <= kM; f += kThreads) {
-    const float2 v = S[f];
-    m = fmaxf(m, fmaxf(fabsf(v.x), fabsf(v.y)));
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int f = threadIdx.x + i * kThreads;
+    bins[i] = f <= kM ? S[f] : make_float2(0.f, 0.f);
+    m = fmaxf(m, fmaxf(fabsf(bins[i].x), fabsf(bins[i].y)));
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
@@ -369,8 +590,11 @@ __global__ void __launch_bounds__(kThreads, 1) tc_forward_kernel(const TcParams 
   m = 0.f;
   for (int i = 0; i < kThreads / 32; ++i) m = fmaxf(m, block_scratch[i]);
   const float sk = unit_scale(m);
-  for (int f = threadIdx.x; f <= kM; f += kThreads) {
-    const float2 v = S[f];
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int f = threadIdx.x + i * kThreads;
+    if (f > kM) break;
+    const float2 v = bins[i];
     blk.spectrum[Block::slot(Block::position(f))] = pack_half2(v.x * sk, v.y * sk);
     if (f > 0 && f < kM) blk.spectrum[Block::slot(Block::position(N - f))] = pack_half2(v.x * sk, -v.y * sk);
   }
@@ -378,49 +602,24 @@ __global__ void __launch_bounds__(kThreads, 1) tc_forward_kernel(const TcParams 
 
   const Dft16 dft(blk.lane);
   const float D = p.D ? p.D[h] : 0.f;
-  const int L = p.L;
   for (int pair = first + pipe; pair < last; pair += kPipes) {
     const int b1 = 2 * pair;
     const bool two = b1 + 1 < p.B;
-    const int64_t row1 = ((int64_t)b1 * p.H + h) * L;
-    const int64_t row2 = ((int64_t)(b1 + 1) * p.H + h) * L;
-    // each row's scale
-    float2 mx = make_float2(0.f, 0.f);
-    for (int i = blk.tid; i < L; i += kPipeThreads) {
-      mx.x = fmaxf(mx.x, fabsf(gated(p.u, p.pregate, row1 + i)));
-      if (two) mx.y = fmaxf(mx.y, fabsf(gated(p.u, p.pregate, row2 + i)));
-    }
-    mx = blk.pipe_max(mx, pipe);
+    const int64_t row1 = row_of(b1), row2 = row_of(b1 + 1);
+    const float2 mx = blk.pipe_max(Pass::row_max(p, row1, row2, two, blk.tid, p.vec), pipe);
     const float s1 = unit_scale(mx.x), s2 = unit_scale(mx.y);
-    // the radix-r pass (decimation in frequency) from the rows
-    for (int j = blk.tid; j < kS0; j += kPipeThreads) {
-      float2 x[kLive];
-#pragma unroll
-      for (int t = 0; t < kLive; ++t) {
-        const int at = j + t * kS0;
-        x[t].x = at < L ? gated(p.u, p.pregate, row1 + at) * s1 : 0.f;
-        x[t].y = two && at < L ? gated(p.u, p.pregate, row2 + at) * s2 : 0.f;
-      }
-      float2 w1 = make_float2(1.f, 0.f);
-      if (kR > 1) {
-        float s, c;
-        __sincosf(-6.283185307179586f * (float)j / (float)N, &s, &c);
-        w1 = make_float2(c, s);
-      }
-      float2 wq = make_float2(norm, 0.f);
-#pragma unroll
-      for (int q = 0; q < kR; ++q) {
-        float2 y = x[0];
-#pragma unroll
-        for (int t = 1; t < kLive; ++t) y = cadd(y, cmul(x[t], w8(t * q * (8 / kR))));
-        y = cmul(y, wq);
-        wq = cmul(wq, w1);
-        const int at = swz(j + q * kS0);
-        blk.re[at] = __float2half_rn(y.x);
-        blk.im[at] = __float2half_rn(y.y);
-      }
-    }
+    Pass::forward(p, row1, row2, two, s1, s2, blk.re, blk.im, blk.tid, p.vec);
     pipe_sync(pipe);
+    // the rows the epilogue reads again, and the next pair's, into L2 while the tensor cores work
+    const int rows_here = two ? 2 : 1;
+    const int next = pair + kPipes < last ? min(2, p.B - 2 * (pair + kPipes)) : 0;
+    prefetch_row_l2(p.u + row1, (int64_t)rows_here * L, blk.tid, kPipeThreads);
+    if (p.pregate) prefetch_row_l2(p.pregate + row1, (int64_t)rows_here * L, blk.tid, kPipeThreads);
+    if (p.postgate) prefetch_row_l2(p.postgate + row1, (int64_t)rows_here * L, blk.tid, kPipeThreads);
+    if (next > 0) {
+      prefetch_row_l2(p.u + row_of(b1 + 2 * kPipes), (int64_t)next * L, blk.tid, kPipeThreads);
+      if (p.pregate) prefetch_row_l2(p.pregate + row_of(b1 + 2 * kPipes), (int64_t)next * L, blk.tid, kPipeThreads);
+    }
     if (Shape::kA == 3) {
       blk.template strided_pass<false>(4096, dft);
       pipe_sync(pipe);
@@ -435,42 +634,7 @@ __global__ void __launch_bounds__(kThreads, 1) tc_forward_kernel(const TcParams 
       blk.template strided_pass<true>(4096, dft);
       pipe_sync(pipe);
     }
-    // the inverse radix-r pass (decimation in time) and the epilogue
-    const float un1 = 1.f / (s1 * sk), un2 = 1.f / (s2 * sk);
-    for (int j = blk.tid; j < kS0; j += kPipeThreads) {
-      float2 x[kR];
-      float2 w1 = make_float2(1.f, 0.f);
-      if (kR > 1) {
-        float s, c;
-        __sincosf(6.283185307179586f * (float)j / (float)N, &s, &c);
-        w1 = make_float2(c, s);
-      }
-      float2 wq = make_float2(norm, 0.f);
-#pragma unroll
-      for (int q = 0; q < kR; ++q) {
-        const int at = swz(j + q * kS0);
-        x[q] = cmul(make_float2(__half2float(blk.re[at]), __half2float(blk.im[at])), wq);
-        wq = cmul(wq, w1);
-      }
-#pragma unroll
-      for (int t = 0; t < kLive; ++t) {
-        const int at = j + t * kS0;
-        if (at >= L) break;
-        float2 y = x[0];
-#pragma unroll
-        for (int q = 1; q < kR; ++q) y = cadd(y, cmul(x[q], w8(-t * q * (8 / kR))));
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          if (r == 1 && !two) break;
-          const int64_t o = (r == 0 ? row1 : row2) + at;
-          const float v = gated(p.u, p.pregate, o);
-          float c = (r == 0 ? y.x * un1 : y.y * un2) + D * v;
-          if (p.gelu) c = gelu_f(c);
-          if (p.postgate) c *= __bfloat162float(p.postgate[o]);
-          p.y[o] = __float2bfloat16_rn(c);
-        }
-      }
-    }
+    Pass::inverse(p, row1, row2, two, 1.f / (s1 * sk), 1.f / (s2 * sk), D, blk.re, blk.im, blk.tid, p.vec);
     pipe_sync(pipe);  // the next pair's first pass overwrites the planes
   }
 #endif
@@ -490,9 +654,11 @@ cudaError_t launch_tc(const TcForwardArgs& a, int num_sms, cudaStream_t stream) 
   const int pairs = (a.B + 1) / 2;
   const int64_t wanted = ((int64_t)resident * num_sms + a.H - 1) / a.H;
   const int chunks = (int)std::max<int64_t>(1, std::min<int64_t>((pairs + kPipes - 1) / kPipes, wanted));
+  auto aligned = [](const void* q) { return q == nullptr || reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  const bool vec = a.L % 8 == 0 && aligned(a.u) && aligned(a.pregate) && aligned(a.postgate) && aligned(a.y);
   const TcParams p{static_cast<const __nv_bfloat16*>(a.u), static_cast<const __nv_bfloat16*>(a.pregate),
                    static_cast<const __nv_bfloat16*>(a.postgate), a.S, a.D, static_cast<__nv_bfloat16*>(a.y),
-                   a.B, a.H, a.L, chunks, a.gelu};
+                   a.B, a.H, a.L, chunks, a.gelu, vec};
   kernel<<<(unsigned)(a.H * chunks), kThreads, kSmem, stream>>>(p);
   return cudaGetLastError();
 }
