@@ -91,18 +91,18 @@ __device__ __forceinline__ float2 unpack_half2(uint32_t v) {
   return __half22float2(*reinterpret_cast<const __half2*>(&v));
 }
 
-// W_8^m, m known at compile time after unrolling
-__device__ __forceinline__ float2 w8(int m) {
+// z W_8^m, m known at compile time after unrolling: swaps and negations, or two products by 1 / sqrt(2)
+__device__ __forceinline__ float2 mulw8(float2 z, int m) {
   constexpr float c = 0.70710678118654752f;
   switch (m & 7) {
-    case 0: return make_float2(1.f, 0.f);
-    case 1: return make_float2(c, -c);
-    case 2: return make_float2(0.f, -1.f);
-    case 3: return make_float2(-c, -c);
-    case 4: return make_float2(-1.f, 0.f);
-    case 5: return make_float2(-c, c);
-    case 6: return make_float2(0.f, 1.f);
-    default: return make_float2(c, c);
+    case 0: return z;
+    case 1: return make_float2(c * (z.x + z.y), c * (z.y - z.x));
+    case 2: return make_float2(z.y, -z.x);
+    case 3: return make_float2(c * (z.y - z.x), -c * (z.x + z.y));
+    case 4: return make_float2(-z.x, -z.y);
+    case 5: return make_float2(-c * (z.x + z.y), c * (z.x - z.y));
+    case 6: return make_float2(-z.y, z.x);
+    default: return make_float2(c * (z.x - z.y), c * (z.x + z.y));
   }
 }
 
@@ -147,13 +147,14 @@ __device__ __forceinline__ void dft_tile(const uint32_t (&ar)[4], const uint32_t
 __device__ __forceinline__ int c_row(int lane, int e) { return (lane >> 2) + 8 * (e >> 1); }
 __device__ __forceinline__ int c_col(int lane, int nt, int e) { return (lane & 3) * 2 + (e & 1) + 8 * nt; }
 
+// multiplies C element (nt, e) by tw(nt, e)
 template <typename Twiddle>
 __device__ __forceinline__ void twiddle_tile(float (&cr)[2][4], float (&ci)[2][4], int lane, Twiddle&& tw) {
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float2 z = cmul(make_float2(cr[nt][e], ci[nt][e]), tw(c_row(lane, e), c_col(lane, nt, e)));
+      const float2 z = cmul(make_float2(cr[nt][e], ci[nt][e]), tw(nt, e));
       cr[nt][e] = z.x;
       ci[nt][e] = z.y;
     }
@@ -223,10 +224,24 @@ struct TcBlock {
     return smem_addr(plane + swz(16 * (16 * tile + i + 8 * (m & 1)) + 8 * (m >> 1)));
   }
 
+  // this lane's W_n^{±row col} (n = 256 or 4096: row col <= 225 stays inside the tables), per (n-tile, element)
+  __device__ void lane_twiddles(const float2* table, bool conjugate, float2 (&tw)[2][4]) const {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 w = table[c_row(lane, e) * c_col(lane, nt, e)];
+        tw[nt][e] = conjugate ? conj2(w) : w;
+      }
+  }
+
   // the radix-16 pass over blocks of n points (stride n / 16), forward (its output twiddles) or inverse (the
   // next pass's input twiddles)
   template <bool kInverse>
   __device__ void strided_pass(int n, const Dft16& w) const {
+    float2 tw[2][4];
+    if (!kInverse) lane_twiddles(n == 4096 ? w4096 : w256, false, tw);
+    const int c0 = (lane & 3) * 2;
     for (int tile = warp; tile < kTiles; tile += kPipeWarps) {
       const uint32_t a_re = strided_addr(re, n, tile), a_im = strided_addr(im, n, tile);
       uint32_t ar[4], ai[4];
@@ -235,14 +250,23 @@ struct TcBlock {
       float cr[2][4], ci[2][4];
       dft_tile<kInverse>(ar, ai, w, cr, ci);
       if (!kInverse && n == 4096) {
+        // W_4096^{(16 j1 + row) col} = W_4096^{row col} W_256^{j1 col}: the second factor per column
         const int j1 = tile & 15;
-        twiddle_tile(cr, ci, lane, [&](int row, int col) { return cmul(w4096[row * col], w256[(j1 * col) & 255]); });
+        float2 col_tw[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) col_tw[i] = w256[(j1 * (c0 + (i & 1) + 8 * (i >> 1))) & 255];
+        twiddle_tile(cr, ci, lane, [&](int nt, int e) { return cmul(tw[nt][e], col_tw[(e & 1) + 2 * nt]); });
       } else if (!kInverse) {
-        twiddle_tile(cr, ci, lane, [&](int row, int col) { return w256[row * col]; });
+        twiddle_tile(cr, ci, lane, [&](int nt, int e) { return tw[nt][e]; });
       } else if (n == 256 && kA == 3) {
+        // the next pass's W_4096^{-(row + 16 col) qb} = conj(W_4096^{row qb} W_256^{col qb}), qb = this block mod 16
         const int qb = tile & 15;
+        const float2 row_tw[2] = {w4096[(lane >> 2) * qb], w4096[((lane >> 2) + 8) * qb]};
+        float2 col_tw[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) col_tw[i] = w256[((c0 + (i & 1) + 8 * (i >> 1)) * qb) & 255];
         twiddle_tile(cr, ci, lane,
-                     [&](int row, int col) { return conj2(cmul(w4096[row * qb], w256[(col * qb) & 255])); });
+                     [&](int nt, int e) { return conj2(cmul(row_tw[e >> 1], col_tw[(e & 1) + 2 * nt])); });
       }
       uint32_t r[4];
       pack_tile(cr, r);
@@ -254,6 +278,8 @@ struct TcBlock {
 
   // the last forward pass, the product with the spectrum and the first inverse pass, per group of 16 points
   __device__ void fused_pass(const Dft16& w) const {
+    float2 tw[2][4];
+    lane_twiddles(w256, true, tw);
     for (int tile = warp; tile < kTiles; tile += kPipeWarps) {
       const uint32_t a_re = group_addr(re, tile), a_im = group_addr(im, tile);
       uint32_t ar[4], ai[4];
@@ -276,7 +302,7 @@ struct TcBlock {
       pack_tile(cr, ar);
       pack_tile(ci, ai);
       dft_tile<true>(ar, ai, w, cr, ci);
-      twiddle_tile(cr, ci, lane, [&](int row, int col) { return conj2(w256[row * col]); });
+      twiddle_tile(cr, ci, lane, [&](int nt, int e) { return tw[nt][e]; });
       uint32_t r[4];
       pack_tile(cr, r);
       stsm_x4(a_re, r, false);
@@ -441,7 +467,7 @@ struct Simt {
           float2 y = make_float2(a[0][e] * s1, b[0][e] * s2);
 #pragma unroll
           for (int t = 1; t < kLive; ++t)
-            y = cadd(y, cmul(make_float2(a[t][e] * s1, b[t][e] * s2), w8(t * q * (8 / kR))));
+            y = cadd(y, mulw8(make_float2(a[t][e] * s1, b[t][e] * s2), t * q * (8 / kR)));
           y = cmul(y, wq);
           wq = cmul(wq, w1);
           yr[q][e] = __float2half_rn(y.x);
@@ -465,9 +491,10 @@ struct Simt {
     }
   }
 
-  // the inverse: x_q = W_N^{-jq} z_q, y_t = r^-1/2 sum_q x_q W_r^{-tq}; then the epilogue on both rows
+  // the inverse: x_q = W_N^{-jq} z_q, y_t = r^-1/2 sum_q x_q W_r^{-tq}; then the epilogue on both rows (D v
+  // came through the transforms: the spectrum is S + D)
   static __device__ void inverse(const TcParams& p, int64_t row1, int64_t row2, bool two, float un1, float un2,
-                                 float D, const __half* re, const __half* im, int tid, bool vec) {
+                                 const __half* re, const __half* im, int tid, bool vec) {
     const float norm = rsqrtf((float)kR);
 #pragma unroll 1
     for (int chunk = 0; chunk < kChunks; ++chunk) {
@@ -502,7 +529,7 @@ struct Simt {
         for (int t = 0; t < kLive; ++t) {
           float2 y = x[0];
 #pragma unroll
-          for (int q = 1; q < kR; ++q) y = cadd(y, cmul(x[q], w8(-t * q * (8 / kR))));
+          for (int q = 1; q < kR; ++q) y = cadd(y, mulw8(x[q], -t * q * (8 / kR)));
           o1[t][e] = y.x * un1;
           o2[t][e] = y.y * un2;
         }
@@ -515,12 +542,11 @@ struct Simt {
         for (int r = 0; r < 2; ++r) {
           if (r == 1 && !two) break;
           const int64_t row = r == 0 ? row1 : row2;
-          float v[kV], post[kV], y[kV];
-          load_gated<kV>(p, row, at, vec, v);
+          float post[kV], y[kV];
           if (p.postgate) load_row<kV>(p.postgate, row, at, p.L, vec, post);
 #pragma unroll
           for (int e = 0; e < kV; ++e) {
-            float c = (r == 0 ? o1[t][e] : o2[t][e]) + D * v[e];
+            float c = r == 0 ? o1[t][e] : o2[t][e];
             if (p.gelu) c = gelu_f(c);
             y[e] = p.postgate ? c * post[e] : c;
           }
@@ -574,6 +600,7 @@ __global__ void __launch_bounds__(kThreads, 1) tc_forward_kernel(const TcParams 
     (threadIdx.x < 256 ? w256 : w4096)[t] = make_float2(c, -s);
   }
   const float2* S = p.S + (int64_t)h * (kM + 1);
+  const float D = p.D ? p.D[h] : 0.f;
   constexpr int kPerThread = (kM + 1 + kThreads - 1) / kThreads;
   float2 bins[kPerThread];
   float m = 0.f;
@@ -581,7 +608,7 @@ __global__ void __launch_bounds__(kThreads, 1) tc_forward_kernel(const TcParams 
   for (int i = 0; i < kPerThread; ++i) {
     const int f = threadIdx.x + i * kThreads;
     bins[i] = f <= kM ? S[f] : make_float2(0.f, 0.f);
-    m = fmaxf(m, fmaxf(fabsf(bins[i].x), fabsf(bins[i].y)));
+    m = fmaxf(m, fmaxf(fabsf(bins[i].x + D), fabsf(bins[i].y)));
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
@@ -594,14 +621,13 @@ __global__ void __launch_bounds__(kThreads, 1) tc_forward_kernel(const TcParams 
   for (int i = 0; i < kPerThread; ++i) {
     const int f = threadIdx.x + i * kThreads;
     if (f > kM) break;
-    const float2 v = bins[i];
+    const float2 v = make_float2(bins[i].x + D, bins[i].y);  // D v as a tap at lag 0: S + D
     blk.spectrum[Block::slot(Block::position(f))] = pack_half2(v.x * sk, v.y * sk);
     if (f > 0 && f < kM) blk.spectrum[Block::slot(Block::position(N - f))] = pack_half2(v.x * sk, -v.y * sk);
   }
   __syncthreads();
 
   const Dft16 dft(blk.lane);
-  const float D = p.D ? p.D[h] : 0.f;
   for (int pair = first + pipe; pair < last; pair += kPipes) {
     const int b1 = 2 * pair;
     const bool two = b1 + 1 < p.B;
@@ -610,11 +636,9 @@ __global__ void __launch_bounds__(kThreads, 1) tc_forward_kernel(const TcParams 
     const float s1 = unit_scale(mx.x), s2 = unit_scale(mx.y);
     Pass::forward(p, row1, row2, two, s1, s2, blk.re, blk.im, blk.tid, p.vec);
     pipe_sync(pipe);
-    // the rows the epilogue reads again, and the next pair's, into L2 while the tensor cores work
+    // the postgate's rows the epilogue reads, and the next pair's inputs, into L2 while the tensor cores work
     const int rows_here = two ? 2 : 1;
     const int next = pair + kPipes < last ? min(2, p.B - 2 * (pair + kPipes)) : 0;
-    prefetch_row_l2(p.u + row1, (int64_t)rows_here * L, blk.tid, kPipeThreads);
-    if (p.pregate) prefetch_row_l2(p.pregate + row1, (int64_t)rows_here * L, blk.tid, kPipeThreads);
     if (p.postgate) prefetch_row_l2(p.postgate + row1, (int64_t)rows_here * L, blk.tid, kPipeThreads);
     if (next > 0) {
       prefetch_row_l2(p.u + row_of(b1 + 2 * kPipes), (int64_t)next * L, blk.tid, kPipeThreads);
@@ -634,7 +658,7 @@ __global__ void __launch_bounds__(kThreads, 1) tc_forward_kernel(const TcParams 
       blk.template strided_pass<true>(4096, dft);
       pipe_sync(pipe);
     }
-    Pass::inverse(p, row1, row2, two, 1.f / (s1 * sk), 1.f / (s2 * sk), D, blk.re, blk.im, blk.tid, p.vec);
+    Pass::inverse(p, row1, row2, two, 1.f / (s1 * sk), 1.f / (s2 * sk), blk.re, blk.im, blk.tid, p.vec);
     pipe_sync(pipe);  // the next pair's first pass overwrites the planes
   }
 #endif
