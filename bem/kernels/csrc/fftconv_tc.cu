@@ -199,30 +199,26 @@ struct TcBlock {
   float* scratch;      // this pipeline's partial maxima
   int lane, warp, tid;
 
-  // the fragment-order slot of the spectrum's position p: the fused pass's tile, row, column
-  static __device__ int slot(int p) {
-    const int tile = p >> 8, row = (p >> 4) & 15, col = p & 15;
-    const int lane = (row & 7) * 4 + ((col & 7) >> 1);
-    const int v = (col >> 3) * 4 + (row >> 3) * 2 + (col & 1);
-    return ((tile * 2 + (v >> 2)) * 32 + lane) * 4 + (v & 3);
-  }
-  // the position the forward passes leave frequency f at: f = q0 + r (d1 + 16 d2 [+ 256 d3])
-  static __device__ int position(int f) {
-    const int q0 = f % kR, rest = f / kR;
-    if (kA == 3) return q0 * kS0 + (rest & 15) * 256 + ((rest >> 4) & 15) * 16 + (rest >> 8);
-    return q0 * kS0 + (rest & 15) * 16 + (rest >> 4);
+  // the frequency the forward passes leave at position p = q0 s0 + d1 16^(a-1) + ... + da: f = q0 + r (d1 + 16 d2
+  // [+ 256 d3])
+  static __device__ int frequency(int p) {
+    const int q0 = p / kS0, rest = p % kS0;
+    if (kA == 3) return q0 + kR * ((rest >> 8) + 16 * ((rest >> 4) & 15) + 256 * (rest & 15));
+    return q0 + kR * ((rest >> 4) + 16 * (rest & 15));
   }
 
-  __device__ uint32_t strided_addr(const __half* plane, int n, int tile) const {
-    const int s = n / 16, per_block = s / 16;
+  template <int kN>
+  __device__ uint32_t strided_addr(int tile) const {
+    constexpr int s = kN / 16, per_block = s / 16;
     const int b = tile / per_block, j1 = tile % per_block;
     const int m = lane >> 3, i = lane & 7;
-    return smem_addr(plane + swz(b * n + 16 * j1 + 8 * (m & 1) + (i + 8 * (m >> 1)) * s));
+    return smem_addr(re + swz(b * kN + 16 * j1 + 8 * (m & 1) + (i + 8 * (m >> 1)) * s));
   }
-  __device__ uint32_t group_addr(const __half* plane, int tile) const {
+  __device__ uint32_t group_addr(int tile) const {
     const int m = lane >> 3, i = lane & 7;
-    return smem_addr(plane + swz(16 * (16 * tile + i + 8 * (m & 1)) + 8 * (m >> 1)));
+    return smem_addr(re + swz(16 * (16 * tile + i + 8 * (m & 1)) + 8 * (m >> 1)));
   }
+  static constexpr uint32_t kImOffset = 2 * N;  // bytes from the real plane to the imaginary one
 
   // this lane's W_n^{±row col} (n = 256 or 4096: row col <= 225 stays inside the tables), per (n-tile, element)
   __device__ void lane_twiddles(const float2* table, bool conjugate, float2 (&tw)[2][4]) const {
@@ -237,13 +233,13 @@ struct TcBlock {
 
   // the radix-16 pass over blocks of n points (stride n / 16), forward (its output twiddles) or inverse (the
   // next pass's input twiddles)
-  template <bool kInverse>
-  __device__ void strided_pass(int n, const Dft16& w) const {
+  template <bool kInverse, int n>
+  __device__ void strided_pass(const Dft16& w) const {
     float2 tw[2][4];
     if (!kInverse) lane_twiddles(n == 4096 ? w4096 : w256, false, tw);
     const int c0 = (lane & 3) * 2;
     for (int tile = warp; tile < kTiles; tile += kPipeWarps) {
-      const uint32_t a_re = strided_addr(re, n, tile), a_im = strided_addr(im, n, tile);
+      const uint32_t a_re = strided_addr<n>(tile), a_im = a_re + kImOffset;
       uint32_t ar[4], ai[4];
       ldsm_x4(a_re, ar, true);
       ldsm_x4(a_im, ai, true);
@@ -281,7 +277,7 @@ struct TcBlock {
     float2 tw[2][4];
     lane_twiddles(w256, true, tw);
     for (int tile = warp; tile < kTiles; tile += kPipeWarps) {
-      const uint32_t a_re = group_addr(re, tile), a_im = group_addr(im, tile);
+      const uint32_t a_re = group_addr(tile), a_im = a_re + kImOffset;
       uint32_t ar[4], ai[4];
       ldsm_x4(a_re, ar, false);
       ldsm_x4(a_im, ai, false);
@@ -420,74 +416,78 @@ struct Simt {
     return make_float2(c, s);
   }
 
-  // the largest |v| of each row over this thread's points
-  static __device__ float2 row_max(const TcParams& p, int64_t row1, int64_t row2, bool two, int tid, bool vec) {
-    float2 m = make_float2(0.f, 0.f);
+  // the rows' values at this thread's points of one chunk (zero for an absent second row), and their maxima
+  static __device__ void load_chunk(const TcParams& p, int64_t row1, int64_t row2, bool two, int tid, bool vec,
+                                    int chunk, float (&a)[kLive][kV], float (&b)[kLive][kV], float2& m) {
 #pragma unroll
-    for (int chunk = 0; chunk < kChunks; ++chunk) {
+    for (int t = 0; t < kLive; ++t) {
+      const int at = first_j(tid, chunk) + t * kS0;
+      load_gated<kV>(p, row1, at, vec, a[t]);
+      if (two) load_gated<kV>(p, row2, at, vec, b[t]);
 #pragma unroll
-      for (int t = 0; t < kLive; ++t) {
-        const int at = first_j(tid, chunk) + t * kS0;
-        float a[kV], b[kV];
-        load_gated<kV>(p, row1, at, vec, a);
-        if (two) load_gated<kV>(p, row2, at, vec, b);
+      for (int e = 0; e < kV; ++e) {
+        if (!two) b[t][e] = 0.f;
+        m.x = fmaxf(m.x, fabsf(a[t][e]));
+        m.y = fmaxf(m.y, fabsf(b[t][e]));
+      }
+    }
+  }
+
+  // one chunk's y_q = r^-1/2 sum_t x_t W_r^{tq} W_N^{jq} at j + q s0 of the planes, x = (s1 v1, s2 v2)
+  static __device__ void transform_chunk(const float (&a)[kLive][kV], const float (&b)[kLive][kV], float s1,
+                                         float s2, int j0, __half* re, __half* im) {
+    const float norm = rsqrtf((float)kR);
+    __half yr[kR][kV], yi[kR][kV];
+#pragma unroll
+    for (int e = 0; e < kV; ++e) {
+      const float2 w1 = kR > 1 ? root(j0 + e, false) : make_float2(1.f, 0.f);
+      float2 wq = make_float2(norm, 0.f);
+#pragma unroll
+      for (int q = 0; q < kR; ++q) {
+        float2 y = make_float2(a[0][e] * s1, b[0][e] * s2);
+#pragma unroll
+        for (int t = 1; t < kLive; ++t) y = cadd(y, mulw8(make_float2(a[t][e] * s1, b[t][e] * s2), t * q * (8 / kR)));
+        y = cmul(y, wq);
+        wq = cmul(wq, w1);
+        yr[q][e] = __float2half_rn(y.x);
+        yi[q][e] = __float2half_rn(y.y);
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < kR; ++q) {
+      const int at = swz(j0 + q * kS0);
+      if constexpr (kV == 8) {
+        *reinterpret_cast<uint4*>(re + at) = *reinterpret_cast<const uint4*>(yr[q]);
+        *reinterpret_cast<uint4*>(im + at) = *reinterpret_cast<const uint4*>(yi[q]);
+      } else {
 #pragma unroll
         for (int e = 0; e < kV; ++e) {
-          m.x = fmaxf(m.x, fabsf(a[e]));
-          if (two) m.y = fmaxf(m.y, fabsf(b[e]));
+          re[at + e] = yr[q][e];
+          im[at + e] = yi[q][e];
         }
       }
     }
-    return m;
   }
 
-  // y_q = r^-1/2 sum_t x_t W_r^{tq} W_N^{jq}, at j + q s0 of the planes
-  static __device__ void forward(const TcParams& p, int64_t row1, int64_t row2, bool two, float s1, float s2,
-                                 __half* re, __half* im, int tid, bool vec) {
-    const float norm = rsqrtf((float)kR);
-#pragma unroll 1
+  // The radix-r pass from the rows; each row's largest |v| through `reduce` (the pipeline's maxima) gives its scale
+  // s. The rows' values stay in registers between the maxima and the pass where they fit (up to 16 a row and
+  // thread), else they are loaded again (from L1 or L2).
+  template <typename Reduce>
+  static __device__ void forward(const TcParams& p, int64_t row1, int64_t row2, bool two, __half* re, __half* im,
+                                 int tid, bool vec, Reduce&& reduce, float& s1, float& s2) {
+    constexpr bool kHold = kChunks * kLive * kV <= 16;
+    float a[kHold ? kChunks : 1][kLive][kV], b[kHold ? kChunks : 1][kLive][kV];
+    float2 m = make_float2(0.f, 0.f);
+#pragma unroll
+    for (int chunk = 0; chunk < kChunks; ++chunk) load_chunk(p, row1, row2, two, tid, vec, chunk,
+                                                             a[kHold ? chunk : 0], b[kHold ? chunk : 0], m);
+    const float2 mx = reduce(m);
+    s1 = unit_scale(mx.x);
+    s2 = unit_scale(mx.y);
+#pragma unroll
     for (int chunk = 0; chunk < kChunks; ++chunk) {
-      const int j0 = first_j(tid, chunk);
-      float a[kLive][kV], b[kLive][kV];
-#pragma unroll
-      for (int t = 0; t < kLive; ++t) {
-        load_gated<kV>(p, row1, j0 + t * kS0, vec, a[t]);
-        if (two) load_gated<kV>(p, row2, j0 + t * kS0, vec, b[t]);
-        else
-#pragma unroll
-          for (int e = 0; e < kV; ++e) b[t][e] = 0.f;
-      }
-      __half yr[kR][kV], yi[kR][kV];
-#pragma unroll
-      for (int e = 0; e < kV; ++e) {
-        const float2 w1 = kR > 1 ? root(j0 + e, false) : make_float2(1.f, 0.f);
-        float2 wq = make_float2(norm, 0.f);
-#pragma unroll
-        for (int q = 0; q < kR; ++q) {
-          float2 y = make_float2(a[0][e] * s1, b[0][e] * s2);
-#pragma unroll
-          for (int t = 1; t < kLive; ++t)
-            y = cadd(y, mulw8(make_float2(a[t][e] * s1, b[t][e] * s2), t * q * (8 / kR)));
-          y = cmul(y, wq);
-          wq = cmul(wq, w1);
-          yr[q][e] = __float2half_rn(y.x);
-          yi[q][e] = __float2half_rn(y.y);
-        }
-      }
-#pragma unroll
-      for (int q = 0; q < kR; ++q) {
-        const int at = swz(j0 + q * kS0);
-        if constexpr (kV == 8) {
-          *reinterpret_cast<uint4*>(re + at) = *reinterpret_cast<const uint4*>(yr[q]);
-          *reinterpret_cast<uint4*>(im + at) = *reinterpret_cast<const uint4*>(yi[q]);
-        } else {
-#pragma unroll
-          for (int e = 0; e < kV; ++e) {
-            re[at + e] = yr[q][e];
-            im[at + e] = yi[q][e];
-          }
-        }
-      }
+      if (!kHold) load_chunk(p, row1, row2, two, tid, vec, chunk, a[0], b[0], m);
+      transform_chunk(a[kHold ? chunk : 0], b[kHold ? chunk : 0], s1, s2, first_j(tid, chunk), re, im);
     }
   }
 
@@ -599,16 +599,25 @@ __global__ void __launch_bounds__(kThreads, 1) tc_forward_kernel(const TcParams 
     sincospif((float)t / (threadIdx.x < 256 ? 128.f : 2048.f), &s, &c);
     (threadIdx.x < 256 ? w256 : w4096)[t] = make_float2(c, -s);
   }
+  // the head's spectrum S + D (D v as a tap at lag 0), staged in rfft's order in the pipelines' planes (free until
+  // the first pair), then each thread's four fragment slots gathered from there: frequency f of the fused pass's
+  // position, conj(S[N - f]) above M. The staging XOR-swizzles bits 0-3 of f with the bits the lanes of one gather
+  // differ in (the model's search: no bank conflict in either step).
   const float2* S = p.S + (int64_t)h * (kM + 1);
   const float D = p.D ? p.D[h] : 0.f;
+  float2* staged = reinterpret_cast<float2*>(smem);
+  constexpr int kLog = (Shape::kR == 1 ? 0 : Shape::kR == 2 ? 1 : Shape::kR == 4 ? 2 : 3) + 4 * (Shape::kA - 2) + 4;
+  auto stage = [](int f) { return f ^ (((f >> kLog) & 7) | (((f >> (kLog + 5)) & 1) << 3)); };
   constexpr int kPerThread = (kM + 1 + kThreads - 1) / kThreads;
-  float2 bins[kPerThread];
   float m = 0.f;
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
     const int f = threadIdx.x + i * kThreads;
-    bins[i] = f <= kM ? S[f] : make_float2(0.f, 0.f);
-    m = fmaxf(m, fmaxf(fabsf(bins[i].x + D), fabsf(bins[i].y)));
+    if (f <= kM) {
+      const float2 v = make_float2(S[f].x + D, S[f].y);
+      m = fmaxf(m, fmaxf(fabsf(v.x), fabsf(v.y)));
+      staged[stage(f)] = v;
+    }
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
@@ -617,13 +626,17 @@ __global__ void __launch_bounds__(kThreads, 1) tc_forward_kernel(const TcParams 
   m = 0.f;
   for (int i = 0; i < kThreads / 32; ++i) m = fmaxf(m, block_scratch[i]);
   const float sk = unit_scale(m);
+  for (int g = threadIdx.x; g < N / 4; g += kThreads) {  // uint4 g: tile, n-tile, lane
+    const int lane = g & 31, vh = (g >> 5) & 1, tile = g >> 6;
+    uint32_t words[4];
 #pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const int f = threadIdx.x + i * kThreads;
-    if (f > kM) break;
-    const float2 v = make_float2(bins[i].x + D, bins[i].y);  // D v as a tap at lag 0: S + D
-    blk.spectrum[Block::slot(Block::position(f))] = pack_half2(v.x * sk, v.y * sk);
-    if (f > 0 && f < kM) blk.spectrum[Block::slot(Block::position(N - f))] = pack_half2(v.x * sk, -v.y * sk);
+    for (int e = 0; e < 4; ++e) {
+      const int row = c_row(lane, e), col = c_col(lane, vh, e);
+      const int f = Block::frequency(16 * (16 * tile + row) + col);
+      const float2 v = staged[stage(f <= kM ? f : N - f)];
+      words[e] = pack_half2(v.x * sk, f <= kM ? v.y * sk : -v.y * sk);
+    }
+    reinterpret_cast<uint4*>(blk.spectrum)[g] = make_uint4(words[0], words[1], words[2], words[3]);
   }
   __syncthreads();
 
@@ -632,9 +645,9 @@ __global__ void __launch_bounds__(kThreads, 1) tc_forward_kernel(const TcParams 
     const int b1 = 2 * pair;
     const bool two = b1 + 1 < p.B;
     const int64_t row1 = row_of(b1), row2 = row_of(b1 + 1);
-    const float2 mx = blk.pipe_max(Pass::row_max(p, row1, row2, two, blk.tid, p.vec), pipe);
-    const float s1 = unit_scale(mx.x), s2 = unit_scale(mx.y);
-    Pass::forward(p, row1, row2, two, s1, s2, blk.re, blk.im, blk.tid, p.vec);
+    float s1, s2;
+    Pass::forward(p, row1, row2, two, blk.re, blk.im, blk.tid, p.vec,
+                  [&](float2 m) { return blk.pipe_max(m, pipe); }, s1, s2);
     pipe_sync(pipe);
     // the postgate's rows the epilogue reads, and the next pair's inputs, into L2 while the tensor cores work
     const int rows_here = two ? 2 : 1;
@@ -645,17 +658,17 @@ __global__ void __launch_bounds__(kThreads, 1) tc_forward_kernel(const TcParams 
       if (p.pregate) prefetch_row_l2(p.pregate + row_of(b1 + 2 * kPipes), (int64_t)next * L, blk.tid, kPipeThreads);
     }
     if (Shape::kA == 3) {
-      blk.template strided_pass<false>(4096, dft);
+      blk.template strided_pass<false, 4096>(dft);
       pipe_sync(pipe);
     }
-    blk.template strided_pass<false>(256, dft);
+    blk.template strided_pass<false, 256>(dft);
     pipe_sync(pipe);
     blk.fused_pass(dft);
     pipe_sync(pipe);
-    blk.template strided_pass<true>(256, dft);
+    blk.template strided_pass<true, 256>(dft);
     pipe_sync(pipe);
     if (Shape::kA == 3) {
-      blk.template strided_pass<true>(4096, dft);
+      blk.template strided_pass<true, 4096>(dft);
       pipe_sync(pipe);
     }
     Pass::inverse(p, row1, row2, two, 1.f / (s1 * sk), 1.f / (s2 * sk), blk.re, blk.im, blk.tid, p.vec);
