@@ -1,7 +1,8 @@
-"""A lane-level numpy model of the tensor-core fftconv forward (csrc/fftconv_tc.cu), checked against a float64
+"""A lane-level numpy model of the tensor-core fftconv forward (bem/kernels/csrc/fftconv_tc.cu), checked against a float64
 direct convolution: the same stages, positions, fragment layouts (ldmatrix / stmatrix / mma.m16n8k16 as the PTX
 manual gives them), twiddle tables, spectrum order and roundings to float16. Its purpose is the kernel's index
-algebra, before any device time; it also prints the error against PyTorch's rfft path in the same dtype.
+algebra, before any device time; it also prints the error against PyTorch's rfft path in the same dtype. (The
+kernel adds D v through the transforms, as a tap at lag 0 of the filter: pass k with D added to k[0].)
 
     python scripts/fftconv_tc_model.py --L 3000 --dtype bfloat16
 """
