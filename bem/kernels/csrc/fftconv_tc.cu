@@ -5,11 +5,11 @@
 // Two batch rows of one head go through one complex FFT, z = s1 v1 + i s2 v2 (v = pregate ⊙ u, s a power of two
 // per row that brings its largest value into (0.5, 1]): the filter is real, so the inverse transform of Z ⊙ K
 // holds both convolutions, one in each part. z lives in shared memory as float16 real and imaginary planes.
-// N = r 16^a: one radix-r pass on the CUDA cores with the loads (decimation in frequency), a - 1 radix-16 passes
-// as mma.m16n8k16 products with the DFT-16 / 4, the last radix-16 pass, the product with the filter's spectrum
-// and the inverse's first pass in registers, the inverse passes in reverse order (decimation in time: the
-// spectrum stays in digit-reversed order, the filter's is gathered into that order), and the inverse radix-r
-// pass with the epilogue. Every pass is unitary, so values stay within float16's range; float32 in registers.
+// N = r 16^a: one radix-r pass on the CUDA cores with the loads (decimation in frequency), radix-16 passes as
+// mma.m16n8k16 products with the DFT-16 / 4 (the last two of the forward, the product with the filter's spectrum
+// and the first two of the inverse on one 256-point block a warp, in registers: movmatrix transposes between
+// them), the inverse passes in reverse order (decimation in time: the spectrum stays in digit-reversed order, the
+// filter's is gathered into that order), and the inverse radix-r pass with the epilogue. Every pass is unitary, so values stay within float16's range; float32 in registers.
 // float16 operands hold bfloat16 rows to PyTorch's error (the model: 1.04-1.11x); float16 rows would not
 // (3-4x), so they, float32 rows and other lengths keep the block kernels.
 #include <cuda_bf16.h>
@@ -170,6 +170,23 @@ __device__ __forceinline__ void pack_tile(const float (&c)[2][4], uint32_t (&r)[
   r[3] = pack_half2(c[1][2], c[1][3]);
 }
 
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t a) {
+  uint32_t d;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(d) : "r"(a));
+  return d;
+}
+
+// The A fragment of C's transpose (rows = C's columns, k = C's rows): the four 8 x 8 blocks of C, each transposed
+// in registers, C01 and C10 trading places.
+__device__ __forceinline__ void transposed_a(const float (&c)[2][4], uint32_t (&a)[4]) {
+  uint32_t r[4];
+  pack_tile(c, r);
+  a[0] = movmatrix_trans(r[0]);
+  a[1] = movmatrix_trans(r[2]);
+  a[2] = movmatrix_trans(r[1]);
+  a[3] = movmatrix_trans(r[3]);
+}
+
 __device__ __forceinline__ void pipe_sync(int pipe) {
   asm volatile("bar.sync %0, %1;" ::"r"(1 + pipe), "r"(kPipeThreads) : "memory");
 }
@@ -214,10 +231,6 @@ struct TcBlock {
     const int m = lane >> 3, i = lane & 7;
     return smem_addr(re + swz(b * kN + 16 * j1 + 8 * (m & 1) + (i + 8 * (m >> 1)) * s));
   }
-  __device__ uint32_t group_addr(int tile) const {
-    const int m = lane >> 3, i = lane & 7;
-    return smem_addr(re + swz(16 * (16 * tile + i + 8 * (m & 1)) + 8 * (m >> 1)));
-  }
   static constexpr uint32_t kImOffset = 2 * N;  // bytes from the real plane to the imaginary one
 
   // this lane's W_n^{±row col} (n = 256 or 4096: row col <= 225 stays inside the tables), per (n-tile, element)
@@ -231,31 +244,71 @@ struct TcBlock {
       }
   }
 
-  // the radix-16 pass over blocks of n points (stride n / 16), forward (its output twiddles) or inverse (the
-  // next pass's input twiddles)
-  template <bool kInverse, int n>
-  __device__ void strided_pass(const Dft16& w) const {
+  // The radix-16 pass over blocks of 4096 points (stride 256): forward, with its output twiddles
+  // W_4096^{(16 j1 + row) col} = W_4096^{row col} W_256^{j1 col} (the second factor per column), or inverse.
+  template <bool kInverse>
+  __device__ void outer_pass(const Dft16& w) const {
     float2 tw[2][4];
-    if (!kInverse) lane_twiddles(n == 4096 ? w4096 : w256, false, tw);
+    if (!kInverse) lane_twiddles(w4096, false, tw);
     const int c0 = (lane & 3) * 2;
     for (int tile = warp; tile < kTiles; tile += kPipeWarps) {
-      const uint32_t a_re = strided_addr<n>(tile), a_im = a_re + kImOffset;
+      const uint32_t a_re = strided_addr<4096>(tile), a_im = a_re + kImOffset;
       uint32_t ar[4], ai[4];
       ldsm_x4(a_re, ar, true);
       ldsm_x4(a_im, ai, true);
       float cr[2][4], ci[2][4];
       dft_tile<kInverse>(ar, ai, w, cr, ci);
-      if (!kInverse && n == 4096) {
-        // W_4096^{(16 j1 + row) col} = W_4096^{row col} W_256^{j1 col}: the second factor per column
+      if (!kInverse) {
         const int j1 = tile & 15;
         float2 col_tw[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) col_tw[i] = w256[(j1 * (c0 + (i & 1) + 8 * (i >> 1))) & 255];
         twiddle_tile(cr, ci, lane, [&](int nt, int e) { return cmul(tw[nt][e], col_tw[(e & 1) + 2 * nt]); });
-      } else if (!kInverse) {
-        twiddle_tile(cr, ci, lane, [&](int nt, int e) { return tw[nt][e]; });
-      } else if (n == 256 && kA == 3) {
-        // the next pass's W_4096^{-(row + 16 col) qb} = conj(W_4096^{row qb} W_256^{col qb}), qb = this block mod 16
+      }
+      store_tile(a_re, cr, ci);
+    }
+  }
+
+  __device__ static void store_tile(uint32_t a_re, const float (&cr)[2][4], const float (&ci)[2][4]) {
+    uint32_t r[4];
+    pack_tile(cr, r);
+    stsm_x4(a_re, r, true);
+    pack_tile(ci, r);
+    stsm_x4(a_re + kImOffset, r, true);
+  }
+
+  // One 256-point block a tile, in registers from its load to its store: the forward radix-16 pass of stride 16
+  // (its twiddles W_256^{jq}), the last forward pass on the block's 16 groups (C transposed into the next A by
+  // movmatrix), the product with the spectrum, the first inverse pass, its twiddles for the inverse pass of
+  // stride 16, that pass (transposed again) and, with a pass of 4096 after it, that pass's input twiddles
+  // W_4096^{-(row + 16 col) qb} = conj(W_4096^{row qb} W_256^{col qb}), qb = the block's index mod 16.
+  __device__ void block_pass(const Dft16& w) const {
+    float2 tw[2][4];
+    lane_twiddles(w256, false, tw);
+    const int c0 = (lane & 3) * 2;
+    for (int tile = warp; tile < kTiles; tile += kPipeWarps) {
+      const uint32_t a_re = strided_addr<256>(tile), a_im = a_re + kImOffset;
+      const uint4 k0 = reinterpret_cast<const uint4*>(spectrum)[(tile * 2) * 32 + lane];
+      const uint4 k1 = reinterpret_cast<const uint4*>(spectrum)[(tile * 2 + 1) * 32 + lane];
+      uint32_t ar[4], ai[4];
+      ldsm_x4(a_re, ar, true);
+      ldsm_x4(a_im, ai, true);
+      float cr[2][4], ci[2][4];
+      dft_tile<false>(ar, ai, w, cr, ci);
+      twiddle_tile(cr, ci, lane, [&](int nt, int e) { return tw[nt][e]; });
+      transposed_a(cr, ar);
+      transposed_a(ci, ai);
+      dft_tile<false>(ar, ai, w, cr, ci);
+      const uint32_t kv[2][4] = {{k0.x, k0.y, k0.z, k0.w}, {k1.x, k1.y, k1.z, k1.w}};
+      twiddle_tile(cr, ci, lane, [&](int nt, int e) { return unpack_half2(kv[nt][e]); });
+      pack_tile(cr, ar);
+      pack_tile(ci, ai);
+      dft_tile<true>(ar, ai, w, cr, ci);
+      twiddle_tile(cr, ci, lane, [&](int nt, int e) { return conj2(tw[nt][e]); });
+      transposed_a(cr, ar);
+      transposed_a(ci, ai);
+      dft_tile<true>(ar, ai, w, cr, ci);
+      if (kA == 3) {
         const int qb = tile & 15;
         const float2 row_tw[2] = {w4096[(lane >> 2) * qb], w4096[((lane >> 2) + 8) * qb]};
         float2 col_tw[4];
@@ -264,46 +317,7 @@ struct TcBlock {
         twiddle_tile(cr, ci, lane,
                      [&](int nt, int e) { return conj2(cmul(row_tw[e >> 1], col_tw[(e & 1) + 2 * nt])); });
       }
-      uint32_t r[4];
-      pack_tile(cr, r);
-      stsm_x4(a_re, r, true);
-      pack_tile(ci, r);
-      stsm_x4(a_im, r, true);
-    }
-  }
-
-  // the last forward pass, the product with the spectrum and the first inverse pass, per group of 16 points
-  __device__ void fused_pass(const Dft16& w) const {
-    float2 tw[2][4];
-    lane_twiddles(w256, true, tw);
-    for (int tile = warp; tile < kTiles; tile += kPipeWarps) {
-      const uint32_t a_re = group_addr(tile), a_im = a_re + kImOffset;
-      uint32_t ar[4], ai[4];
-      ldsm_x4(a_re, ar, false);
-      ldsm_x4(a_im, ai, false);
-      float cr[2][4], ci[2][4];
-      dft_tile<false>(ar, ai, w, cr, ci);
-      const uint4 k0 = reinterpret_cast<const uint4*>(spectrum)[(tile * 2) * 32 + lane];
-      const uint4 k1 = reinterpret_cast<const uint4*>(spectrum)[(tile * 2 + 1) * 32 + lane];
-      const uint32_t kv[2][4] = {{k0.x, k0.y, k0.z, k0.w}, {k1.x, k1.y, k1.z, k1.w}};
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 z = cmul(make_float2(cr[nt][e], ci[nt][e]), unpack_half2(kv[nt][e]));
-          cr[nt][e] = z.x;
-          ci[nt][e] = z.y;
-        }
-      }
-      pack_tile(cr, ar);
-      pack_tile(ci, ai);
-      dft_tile<true>(ar, ai, w, cr, ci);
-      twiddle_tile(cr, ci, lane, [&](int nt, int e) { return tw[nt][e]; });
-      uint32_t r[4];
-      pack_tile(cr, r);
-      stsm_x4(a_re, r, false);
-      pack_tile(ci, r);
-      stsm_x4(a_im, r, false);
+      store_tile(a_re, cr, ci);
     }
   }
 
@@ -658,17 +672,13 @@ __global__ void __launch_bounds__(kThreads, 1) tc_forward_kernel(const TcParams 
       if (p.pregate) prefetch_row_l2(p.pregate + row_of(b1 + 2 * kPipes), (int64_t)next * L, blk.tid, kPipeThreads);
     }
     if (Shape::kA == 3) {
-      blk.template strided_pass<false, 4096>(dft);
+      blk.template outer_pass<false>(dft);
       pipe_sync(pipe);
     }
-    blk.template strided_pass<false, 256>(dft);
-    pipe_sync(pipe);
-    blk.fused_pass(dft);
-    pipe_sync(pipe);
-    blk.template strided_pass<true, 256>(dft);
+    blk.block_pass(dft);
     pipe_sync(pipe);
     if (Shape::kA == 3) {
-      blk.template strided_pass<true, 4096>(dft);
+      blk.template outer_pass<true>(dft);
       pipe_sync(pipe);
     }
     Pass::inverse(p, row1, row2, two, 1.f / (s1 * sk), 1.f / (s2 * sk), blk.re, blk.im, blk.tid, p.vec);
