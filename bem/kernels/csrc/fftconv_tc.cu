@@ -351,11 +351,6 @@ __device__ __forceinline__ float unit_scale(float m) {
   return ldexpf(1.f, -e);
 }
 
-__device__ __forceinline__ float gated(const __nv_bfloat16* u, const __nv_bfloat16* gate, int64_t at) {
-  const float v = __bfloat162float(u[at]);
-  return gate ? v * __bfloat162float(gate[at]) : v;
-}
-
 __device__ __forceinline__ void unpack_bf16x8(const uint4& w, float (&out)[8]) {
   const uint32_t words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
@@ -410,6 +405,17 @@ __device__ __forceinline__ void store_row(__nv_bfloat16* base, int64_t row, int 
 #pragma unroll
   for (int e = 0; e < V; ++e)
     if (at + e < L) base[row + at + e] = __float2bfloat16_rn(y[e]);
+}
+
+// V consecutive float16 values from src to dst, one 16-byte access where V is 8 (between a plane and registers)
+template <int V>
+__device__ __forceinline__ void copy_halves(__half* dst, const __half* src) {
+  if constexpr (V == 8) {
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) dst[e] = src[e];
+  }
 }
 
 // The CUDA-core passes: each thread takes V consecutive j of the radix-r pass at a time (16-byte accesses)
@@ -470,16 +476,8 @@ struct Simt {
 #pragma unroll
     for (int q = 0; q < kR; ++q) {
       const int at = swz(j0 + q * kS0);
-      if constexpr (kV == 8) {
-        *reinterpret_cast<uint4*>(re + at) = *reinterpret_cast<const uint4*>(yr[q]);
-        *reinterpret_cast<uint4*>(im + at) = *reinterpret_cast<const uint4*>(yi[q]);
-      } else {
-#pragma unroll
-        for (int e = 0; e < kV; ++e) {
-          re[at + e] = yr[q][e];
-          im[at + e] = yi[q][e];
-        }
-      }
+      copy_halves<kV>(re + at, yr[q]);
+      copy_halves<kV>(im + at, yi[q]);
     }
   }
 
@@ -517,16 +515,8 @@ struct Simt {
 #pragma unroll
       for (int q = 0; q < kR; ++q) {
         const int at = swz(j0 + q * kS0);
-        if constexpr (kV == 8) {
-          *reinterpret_cast<uint4*>(zr[q]) = *reinterpret_cast<const uint4*>(re + at);
-          *reinterpret_cast<uint4*>(zi[q]) = *reinterpret_cast<const uint4*>(im + at);
-        } else {
-#pragma unroll
-          for (int e = 0; e < kV; ++e) {
-            zr[q][e] = re[at + e];
-            zi[q][e] = im[at + e];
-          }
-        }
+        copy_halves<kV>(zr[q], re + at);
+        copy_halves<kV>(zi[q], im + at);
       }
       float o1[kLive][kV], o2[kLive][kV];
 #pragma unroll
