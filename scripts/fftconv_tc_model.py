@@ -150,6 +150,23 @@ def twiddle(out, fn):
                 cr[lane][e], ci[lane][e] = np.float32(z.real), np.float32(z.imag)
 
 
+def twiddle_half2(out, fn):
+    """twiddle() in float16 pairs, as HMUL2 / HFMA2 take it: C rounded to float16 first, then re' = re wr - (im wi),
+    im' = re wi + (im wr), each product in parentheses rounded, each fused sum rounded once."""
+    f16, f32 = np.float16, np.float32
+    for nt in range(2):
+        cr, ci = out[nt]
+        for lane in range(LANES):
+            for e in range(4):
+                row, col = c_rowcol(lane, nt, e)
+                t = complex(fn(lane, row, col))
+                wr, wi = f16(t.real), f16(t.imag)
+                ar, ai = f16(cr[lane][e]), f16(ci[lane][e])
+                re = f16(f32(ar) * f32(wr) - f32(f16(f32(ai) * f32(wi))))
+                im = f16(f32(ar) * f32(wi) + f32(f16(f32(ai) * f32(wr))))
+                cr[lane][e], ci[lane][e] = f32(re), f32(im)
+
+
 def pack_c(out, part):
     """The four stmatrix registers of C (re or im): (nt0 rows g), (nt0 rows g+8), (nt1 rows g), (nt1 rows g+8)."""
     idx = 0 if part == "re" else 1
@@ -281,7 +298,11 @@ def main() -> None:
     p.add_argument("--Lk", type=int, default=None)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--half2-twiddles", action="store_true", help="every twiddle in float16 pairs")
     args = p.parse_args()
+    if args.half2_twiddles:
+        global twiddle
+        twiddle = twiddle_half2
     dt = getattr(torch, args.dtype)
     g = torch.Generator().manual_seed(args.seed)
     L, Lk = args.L, args.Lk or args.L
