@@ -1,0 +1,245 @@
+// The tensor-core fftconv forward's CUDA-core passes (fftconv_tc.cu): the radix-r pass that reads the rows (with
+// the pre-gate, 16-byte loads where aligned) into the float16 planes, and its inverse with the epilogue (GELU, the
+// post-gate) into y.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "fftconv_block.cuh"
+#include "fftconv_tc_plan.cuh"
+
+namespace bem {
+namespace fftconv {
+namespace tc {
+
+// z W_8^m, m known at compile time after unrolling: swaps and negations, or two products by 1 / sqrt(2)
+__device__ __forceinline__ float2 mulw8(float2 z, int m) {
+  constexpr float c = 0.70710678118654752f;
+  switch (m & 7) {
+    case 0: return z;
+    case 1: return make_float2(c * (z.x + z.y), c * (z.y - z.x));
+    case 2: return make_float2(z.y, -z.x);
+    case 3: return make_float2(c * (z.y - z.x), -c * (z.x + z.y));
+    case 4: return make_float2(-z.x, -z.y);
+    case 5: return make_float2(-c * (z.x + z.y), c * (z.x - z.y));
+    case 6: return make_float2(-z.y, z.x);
+    default: return make_float2(c * (z.x - z.y), c * (z.x + z.y));
+  }
+}
+
+__device__ __forceinline__ void unpack_bf16x8(const uint4& w, float (&out)[8]) {
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[i]));
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+
+// V values of `row` from `at` (zero past L): one 16-byte load where the rows are aligned and all V lie inside
+template <int V>
+__device__ __forceinline__ void load_row(const __nv_bfloat16* base, int64_t row, int at, int L, bool vec,
+                                         float (&out)[V]) {
+  if constexpr (V == 8) {
+    if (vec && at + 8 <= L) {
+      unpack_bf16x8(*reinterpret_cast<const uint4*>(base + row + at), out);
+      return;
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < V; ++e) out[e] = at + e < L ? __bfloat162float(base[row + at + e]) : 0.f;
+}
+
+template <int V>
+__device__ __forceinline__ void load_gated(const TcParams& p, int64_t row, int at, bool vec, float (&v)[V]) {
+  load_row<V>(p.u, row, at, p.L, vec, v);
+  if (p.pregate) {
+    float g[V];
+    load_row<V>(p.pregate, row, at, p.L, vec, g);
+#pragma unroll
+    for (int e = 0; e < V; ++e) v[e] *= g[e];
+  }
+}
+
+template <int V>
+__device__ __forceinline__ void store_row(__nv_bfloat16* base, int64_t row, int at, int L, bool vec,
+                                          const float (&y)[V]) {
+  if constexpr (V == 8) {
+    if (vec && at + 8 <= L) {
+      uint4 w;
+      uint32_t* words = reinterpret_cast<uint32_t*>(&w);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const __nv_bfloat162 b = __floats2bfloat162_rn(y[2 * i], y[2 * i + 1]);
+        words[i] = *reinterpret_cast<const uint32_t*>(&b);
+      }
+      *reinterpret_cast<uint4*>(base + row + at) = w;
+      return;
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < V; ++e)
+    if (at + e < L) base[row + at + e] = __float2bfloat16_rn(y[e]);
+}
+
+// V consecutive float16 values from src to dst, one 16-byte access where V is 8 (between a plane and registers)
+template <int V>
+__device__ __forceinline__ void copy_halves(__half* dst, const __half* src) {
+  if constexpr (V == 8) {
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) dst[e] = src[e];
+  }
+}
+
+// The CUDA-core passes: each thread takes V consecutive j of the radix-r pass at a time (16-byte accesses)
+template <int N>
+struct Simt {
+  static constexpr int kR = TcShape<N>::kR, kS0 = TcShape<N>::kS0;
+  static constexpr int kV = kS0 / kPipeThreads < 8 ? kS0 / kPipeThreads : 8;
+  static constexpr int kChunks = kS0 / (kV * kPipeThreads);
+  static constexpr int kLive = kR > 1 ? kR / 2 : 1;  // L <= N / 2: the upper half of the inputs is zero
+  static_assert(kV >= 1 && kChunks * kV * kPipeThreads == kS0, "the radix-r pass's split");
+
+  static __device__ int first_j(int tid, int chunk) { return (chunk * kPipeThreads + tid) * kV; }
+
+  // W_N^{±j}
+  static __device__ float2 root(int j, bool inverse) {
+    float s, c;
+    __sincosf((inverse ? 6.283185307179586f : -6.283185307179586f) * (float)j / (float)N, &s, &c);
+    return make_float2(c, s);
+  }
+
+  // the rows' values at this thread's points of one chunk (zero for an absent second row), and their maxima
+  static __device__ void load_chunk(const TcParams& p, int64_t row1, int64_t row2, bool two, int tid, bool vec,
+                                    int chunk, float (&a)[kLive][kV], float (&b)[kLive][kV], float2& m) {
+#pragma unroll
+    for (int t = 0; t < kLive; ++t) {
+      const int at = first_j(tid, chunk) + t * kS0;
+      load_gated<kV>(p, row1, at, vec, a[t]);
+      if (two) load_gated<kV>(p, row2, at, vec, b[t]);
+#pragma unroll
+      for (int e = 0; e < kV; ++e) {
+        if (!two) b[t][e] = 0.f;
+        m.x = fmaxf(m.x, fabsf(a[t][e]));
+        m.y = fmaxf(m.y, fabsf(b[t][e]));
+      }
+    }
+  }
+
+  // one chunk's y_q = r^-1/2 sum_t x_t W_r^{tq} W_N^{jq} at j + q s0 of the planes, x = (s1 v1, s2 v2)
+  static __device__ void transform_chunk(const float (&a)[kLive][kV], const float (&b)[kLive][kV], float s1,
+                                         float s2, int j0, __half* re, __half* im) {
+    const float norm = rsqrtf((float)kR);
+    __half yr[kR][kV], yi[kR][kV];
+#pragma unroll
+    for (int e = 0; e < kV; ++e) {
+      const float2 w1 = kR > 1 ? root(j0 + e, false) : make_float2(1.f, 0.f);
+      float2 wq = make_float2(norm, 0.f);
+#pragma unroll
+      for (int q = 0; q < kR; ++q) {
+        float2 y = make_float2(a[0][e] * s1, b[0][e] * s2);
+#pragma unroll
+        for (int t = 1; t < kLive; ++t) y = cadd(y, mulw8(make_float2(a[t][e] * s1, b[t][e] * s2), t * q * (8 / kR)));
+        y = cmul(y, wq);
+        wq = cmul(wq, w1);
+        yr[q][e] = __float2half_rn(y.x);
+        yi[q][e] = __float2half_rn(y.y);
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < kR; ++q) {
+      const int at = swz(j0 + q * kS0);
+      copy_halves<kV>(re + at, yr[q]);
+      copy_halves<kV>(im + at, yi[q]);
+    }
+  }
+
+  // The radix-r pass from the rows; each row's largest |v| through `reduce` (the pipeline's maxima) gives its scale
+  // s. The rows' values stay in registers between the maxima and the pass where they fit (up to 16 a row and
+  // thread), else they are loaded again (from L1 or L2).
+  template <typename Reduce>
+  static __device__ void forward(const TcParams& p, int64_t row1, int64_t row2, bool two, __half* re, __half* im,
+                                 int tid, bool vec, Reduce&& reduce, float& s1, float& s2) {
+    constexpr bool kHold = kChunks * kLive * kV <= 16;
+    float a[kHold ? kChunks : 1][kLive][kV], b[kHold ? kChunks : 1][kLive][kV];
+    float2 m = make_float2(0.f, 0.f);
+#pragma unroll
+    for (int chunk = 0; chunk < kChunks; ++chunk) load_chunk(p, row1, row2, two, tid, vec, chunk,
+                                                             a[kHold ? chunk : 0], b[kHold ? chunk : 0], m);
+    const float2 mx = reduce(m);
+    s1 = unit_scale(mx.x);
+    s2 = unit_scale(mx.y);
+#pragma unroll
+    for (int chunk = 0; chunk < kChunks; ++chunk) {
+      if (!kHold) load_chunk(p, row1, row2, two, tid, vec, chunk, a[0], b[0], m);
+      transform_chunk(a[kHold ? chunk : 0], b[kHold ? chunk : 0], s1, s2, first_j(tid, chunk), re, im);
+    }
+  }
+
+  // the inverse: x_q = W_N^{-jq} z_q, y_t = r^-1/2 sum_q x_q W_r^{-tq}; then the epilogue on both rows (D v
+  // came through the transforms: the spectrum is S + D)
+  static __device__ void inverse(const TcParams& p, int64_t row1, int64_t row2, bool two, float un1, float un2,
+                                 const __half* re, const __half* im, int tid, bool vec) {
+    const float norm = rsqrtf((float)kR);
+#pragma unroll 1
+    for (int chunk = 0; chunk < kChunks; ++chunk) {
+      const int j0 = first_j(tid, chunk);
+      __half zr[kR][kV], zi[kR][kV];
+#pragma unroll
+      for (int q = 0; q < kR; ++q) {
+        const int at = swz(j0 + q * kS0);
+        copy_halves<kV>(zr[q], re + at);
+        copy_halves<kV>(zi[q], im + at);
+      }
+      float o1[kLive][kV], o2[kLive][kV];
+#pragma unroll
+      for (int e = 0; e < kV; ++e) {
+        const float2 w1 = kR > 1 ? root(j0 + e, true) : make_float2(1.f, 0.f);
+        float2 x[kR];
+        float2 wq = make_float2(norm, 0.f);
+#pragma unroll
+        for (int q = 0; q < kR; ++q) {
+          x[q] = cmul(make_float2(__half2float(zr[q][e]), __half2float(zi[q][e])), wq);
+          wq = cmul(wq, w1);
+        }
+#pragma unroll
+        for (int t = 0; t < kLive; ++t) {
+          float2 y = x[0];
+#pragma unroll
+          for (int q = 1; q < kR; ++q) y = cadd(y, mulw8(x[q], -t * q * (8 / kR)));
+          o1[t][e] = y.x * un1;
+          o2[t][e] = y.y * un2;
+        }
+      }
+#pragma unroll
+      for (int t = 0; t < kLive; ++t) {
+        const int at = j0 + t * kS0;
+        if (at >= p.L) break;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          if (r == 1 && !two) break;
+          const int64_t row = r == 0 ? row1 : row2;
+          float post[kV], y[kV];
+          if (p.postgate) load_row<kV>(p.postgate, row, at, p.L, vec, post);
+#pragma unroll
+          for (int e = 0; e < kV; ++e) {
+            float c = r == 0 ? o1[t][e] : o2[t][e];
+            if (p.gelu) c = gelu_f(c);
+            y[e] = p.postgate ? c * post[e] : c;
+          }
+          store_row<kV>(p.y, row, at, p.L, vec, y);
+        }
+      }
+    }
+  }
+};
+
+}  // namespace tc
+}  // namespace fftconv
+}  // namespace bem
