@@ -189,6 +189,24 @@ def c_as_a(out, part):
     return frag
 
 
+def movmatrix_trans(regs_one):
+    """movmatrix.trans of one 8 x 8 matrix in fragment layout (regs_one[lane] = its two halves)."""
+    M = np.zeros((8, 8), np.float16)
+    for lane in range(LANES):
+        r, c = lane >> 2, (lane & 3) * 2
+        M[r, c], M[r, c + 1] = regs_one[lane]
+    T = M.T
+    return [(T[lane >> 2, (lane & 3) * 2], T[lane >> 2, (lane & 3) * 2 + 1]) for lane in range(LANES)]
+
+
+def transposed_a(out, part):
+    """The A fragment of C's transpose: C packed (pack_c), each 8 x 8 block through movmatrix, the two off the
+    diagonal trading places."""
+    packed = pack_c(out, part)
+    t = [movmatrix_trans([packed[lane][i] for lane in range(LANES)]) for i in range(4)]
+    return [[h for i in (0, 2, 1, 3) for h in t[i][lane]] for lane in range(LANES)]
+
+
 def strided_addrs(n: int, b: int, j1: int, s: int):
     """ldmatrix.trans / stmatrix.trans rows: lane -> matrix m, row i: t = i + 8 (m >> 1), j = 16 j1 + 8 (m & 1)."""
     addrs = []
@@ -198,16 +216,8 @@ def strided_addrs(n: int, b: int, j1: int, s: int):
     return addrs
 
 
-def group_addrs(tau: int):
-    """ldmatrix / stmatrix (no trans), groups of 16 contiguous points: row g = i + 8 (m & 1), t offset 8 (m >> 1)."""
-    addrs = []
-    for lane in range(LANES):
-        m, i = lane >> 3, lane & 7
-        addrs.append(16 * (16 * tau + i + 8 * (m & 1)) + 8 * (m >> 1))
-    return addrs
-
-
-def fftconv_tc(v1: np.ndarray, v2: np.ndarray, k: np.ndarray, N: int) -> tuple[np.ndarray, np.ndarray]:
+def fftconv_tc(v1: np.ndarray, v2: np.ndarray, k: np.ndarray, N: int,
+               half2: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Causal conv of two real rows (length L <= N / 2) with one filter, as the kernel computes it."""
     r, a = plan(N)
     s0 = N // r
@@ -219,7 +229,7 @@ def fftconv_tc(v1: np.ndarray, v2: np.ndarray, k: np.ndarray, N: int) -> tuple[n
     s1, s2 = scale_of(v1), scale_of(v2)
     z = np.zeros(N, np.complex64)
     z[:L] = (np.float32(v1) * np.float32(s1)) + 1j * (np.float32(v2) * np.float32(s2))
-    # filter spectrum, its scale and the fragment-order table the fused stage reads
+    # filter spectrum, its scale and the fragment-order table the block pass reads
     kp = np.zeros(N)
     kp[: len(k)] = k
     S = np.fft.rfft(kp)  # (N/2 + 1)
@@ -239,42 +249,39 @@ def fftconv_tc(v1: np.ndarray, v2: np.ndarray, k: np.ndarray, N: int) -> tuple[n
             re[j + q * s0], im[j + q * s0] = np.float16(y.real), np.float16(y.imag)
     fwd, inv = dft_b(False), dft_b(True)
     tiles = N // 256
-    # forward mma stages n = 16^a .. 256
-    for m in range(a, 1, -1):
-        n = 16**m
-        s = n // 16
+
+    def outer_pass(inverse: bool) -> None:  # blocks of 4096, stride 256 (a = 3)
         for tau in range(tiles):
-            b, j1 = divmod(tau, s // 16)
-            addrs = strided_addrs(n, b, j1, s)
+            b, j1 = divmod(tau, 16)
+            addrs = strided_addrs(4096, b, j1, 256)
             ar, ai = a_from_ld(ldmatrix_x4(re, addrs, True)), a_from_ld(ldmatrix_x4(im, addrs, True))
-            out = complex_mma(ar, ai, fwd, False)
-            twiddle(out, lambda lane, row, col: w(n, (16 * j1 + row) * col))
+            out = complex_mma(ar, ai, inv if inverse else fwd, inverse)
+            if not inverse:
+                twiddle(out, lambda lane, row, col: w(4096, (16 * j1 + row) * col))
             stmatrix_x4(re, addrs, pack_c(out, "re"), True)
             stmatrix_x4(im, addrs, pack_c(out, "im"), True)
-    # fused stage: forward DFT-16 of each group, times K, inverse DFT-16, the next stage's input twiddle
+
+    if a == 3:
+        outer_pass(False)
+    # the block pass: one 256-point block a tile in registers, from the stride-16 forward pass to the stride-16
+    # inverse pass; float16-pair twiddles (twiddle_pairs) for W_256 and the spectrum, as the kernel takes them
+    pairs = twiddle_half2 if half2 else twiddle
     for tau in range(tiles):
-        addrs = group_addrs(tau)
-        ar, ai = a_from_ld(ldmatrix_x4(re, addrs, False)), a_from_ld(ldmatrix_x4(im, addrs, False))
+        addrs = strided_addrs(256, tau, 0, 16)
+        ar, ai = a_from_ld(ldmatrix_x4(re, addrs, True)), a_from_ld(ldmatrix_x4(im, addrs, True))
         out = complex_mma(ar, ai, fwd, False)
-        twiddle(out, lambda lane, row, col: complex(Kr[16 * (16 * tau + row) + col], Ki[16 * (16 * tau + row) + col]))
+        pairs(out, lambda lane, row, col: w(256, row * col))
+        out = complex_mma(transposed_a(out, "re"), transposed_a(out, "im"), fwd, False)
+        pairs(out, lambda lane, row, col: complex(Kr[16 * (16 * tau + row) + col], Ki[16 * (16 * tau + row) + col]))
         out = complex_mma(c_as_a(out, "re"), c_as_a(out, "im"), inv, True)
-        twiddle(out, lambda lane, row, col: w(256, -row * col))
-        stmatrix_x4(re, addrs, pack_c(out, "re"), False)
-        stmatrix_x4(im, addrs, pack_c(out, "im"), False)
-    # inverse mma stages n = 256 .. 16^a; the writer applies the next stage's input twiddle
-    for m in range(2, a + 1):
-        n = 16**m
-        s = n // 16
-        for tau in range(tiles):
-            b, j1 = divmod(tau, s // 16)
-            addrs = strided_addrs(n, b, j1, s)
-            ar, ai = a_from_ld(ldmatrix_x4(re, addrs, True)), a_from_ld(ldmatrix_x4(im, addrs, True))
-            out = complex_mma(ar, ai, inv, True)
-            if m < a:  # next stage 16 n: position b n + (16 j1 + row) + col s: its j = that mod n, its q = b mod 16
-                nn = 16 * n
-                twiddle(out, lambda lane, row, col: w(nn, -((16 * j1 + row) + col * s) * (b % 16)))
-            stmatrix_x4(re, addrs, pack_c(out, "re"), True)
-            stmatrix_x4(im, addrs, pack_c(out, "im"), True)
+        pairs(out, lambda lane, row, col: w(256, -row * col))
+        out = complex_mma(transposed_a(out, "re"), transposed_a(out, "im"), inv, True)
+        if a == 3:  # the outer inverse pass's input twiddle at position 256 tau + row + 16 col
+            twiddle(out, lambda lane, row, col: w(4096, -(row + 16 * col) * (tau % 16)))
+        stmatrix_x4(re, addrs, pack_c(out, "re"), True)
+        stmatrix_x4(im, addrs, pack_c(out, "im"), True)
+    if a == 3:
+        outer_pass(True)
     # SIMT inverse stage and the outputs
     y = np.zeros(N, np.complex128)
     for j in range(s0):
@@ -298,11 +305,9 @@ def main() -> None:
     p.add_argument("--Lk", type=int, default=None)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--half2-twiddles", action="store_true", help="every twiddle in float16 pairs")
+    p.add_argument("--float32-twiddles", action="store_true",
+                   help="the block pass's twiddles in float32 (the kernel takes float16 pairs)")
     args = p.parse_args()
-    if args.half2_twiddles:
-        global twiddle
-        twiddle = twiddle_half2
     dt = getattr(torch, args.dtype)
     g = torch.Generator().manual_seed(args.seed)
     L, Lk = args.L, args.Lk or args.L
@@ -310,7 +315,7 @@ def main() -> None:
     N = 2 * M
     v = torch.randn(2, L, generator=g).to(dt).double().numpy()
     k = (torch.randn(Lk, generator=g) * Lk**-0.5).double().numpy()
-    y1, y2 = fftconv_tc(v[0], v[1], k, N)
+    y1, y2 = fftconv_tc(v[0], v[1], k, N, half2=not args.float32_twiddles)
     ref = np.stack([direct(v[0], k), direct(v[1], k)])
     mine = torch.tensor(np.stack([y1, y2])).to(dt).double().numpy()
     vt = torch.tensor(v).to(dt).float()

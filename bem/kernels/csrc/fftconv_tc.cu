@@ -11,8 +11,8 @@
 // them), the inverse passes in reverse order (decimation in time: the spectrum stays in digit-reversed order, the
 // filter's is gathered into that order), and the inverse radix-r pass with the epilogue. Every pass is unitary,
 // so values stay within float16's range; float32 in registers.
-// float16 operands hold bfloat16 rows to PyTorch's error (the model: 1.04-1.21x); float16 rows would not
-// (3-4x), so they, float32 rows and other lengths keep the block kernels.
+// float16 operands hold bfloat16 rows to PyTorch's error (the model: 1.01-1.17x); float16 rows would not
+// (3-5x), so they, float32 rows and other lengths keep the block kernels.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -122,27 +122,19 @@ struct TcBlock {
       const uint32_t a_re = strided_addr<256>(tile), a_im = a_re + kImOffset;
       const uint4 k0 = reinterpret_cast<const uint4*>(spectrum)[(tile * 2) * 32 + lane];
       const uint4 k1 = reinterpret_cast<const uint4*>(spectrum)[(tile * 2 + 1) * 32 + lane];
-      uint32_t ar[4], ai[4], pr[4], pi[4];
+      uint32_t ar[4], ai[4];
       ldsm_x4(a_re, ar, true);
       ldsm_x4(a_im, ai, true);
       float cr[2][4], ci[2][4];
       dft_tile<false>(ar, ai, w, cr, ci);
-      pack_tile(cr, pr);
-      pack_tile(ci, pi);
-      twiddle_pairs(pr, pi, twr, twi);
-      transposed_a(pr, ar);
-      transposed_a(pi, ai);
+      twiddled_transpose(cr, ci, twr, twi, ar, ai);
       dft_tile<false>(ar, ai, w, cr, ci);
       pack_tile(cr, ar);
       pack_tile(ci, ai);
       const uint32_t kr[4] = {k0.x, k0.z, k1.x, k1.z}, ki[4] = {k0.y, k0.w, k1.y, k1.w};
       twiddle_pairs(ar, ai, kr, ki);
       dft_tile<true>(ar, ai, w, cr, ci);
-      pack_tile(cr, pr);
-      pack_tile(ci, pi);
-      twiddle_pairs(pr, pi, twr, conj_twi);
-      transposed_a(pr, ar);
-      transposed_a(pi, ai);
+      twiddled_transpose(cr, ci, twr, conj_twi, ar, ai);
       dft_tile<true>(ar, ai, w, cr, ci);
       if (kA == 3) {
         const int qb = tile & 15;

@@ -133,8 +133,8 @@ __device__ __forceinline__ __half2 as_half2(uint32_t v) { return *reinterpret_ca
 __device__ __forceinline__ uint32_t as_u32(__half2 v) { return *reinterpret_cast<const uint32_t*>(&v); }
 
 // A packed tile (pack_tile's pairs of real parts pr and imaginary parts pi) times twiddles paired the same way, in
-// float16 arithmetic: two complex products for four instructions (the model: 1.10-1.21x PyTorch's error where
-// every twiddle is taken so, against 1.06-1.11x in float32).
+// float16 arithmetic: two complex products for four instructions (the model, with the block pass's twiddles so:
+// 1.01-1.17x PyTorch's error; 1.04-1.11x with them in float32).
 __device__ __forceinline__ void twiddle_pairs(uint32_t (&pr)[4], uint32_t (&pi)[4], const uint32_t (&wr)[4],
                                               const uint32_t (&wi)[4]) {
 #pragma unroll
@@ -154,6 +154,19 @@ __device__ __forceinline__ void pair_twiddles(const float2 (&tw)[2][4], uint32_t
     wi[i] = pack_half2(a.y, b.y);
   }
 }
+
+// C (float32) times twiddles paired as pack_tile's (float16), transposed into the A fragment of the next pass
+__device__ __forceinline__ void twiddled_transpose(const float (&cr)[2][4], const float (&ci)[2][4],
+                                                   const uint32_t (&wr)[4], const uint32_t (&wi)[4], uint32_t (&ar)[4],
+                                                   uint32_t (&ai)[4]) {
+  uint32_t pr[4], pi[4];
+  pack_tile(cr, pr);
+  pack_tile(ci, pi);
+  twiddle_pairs(pr, pi, wr, wi);
+  transposed_a(pr, ar);
+  transposed_a(pi, ai);
+}
+
 
 }  // namespace tc
 }  // namespace fftconv
