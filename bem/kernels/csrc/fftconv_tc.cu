@@ -38,7 +38,7 @@ struct TcBlock {
 
   __half* re;
   __half* im;
-  uint32_t* spectrum;  // half2 bins in the fused pass's fragment order: [tile][2][lane] x 4
+  uint32_t* spectrum;  // the block pass's fragment order: [tile][n-tile][lane] x 4 float16 pairs (re, im)
   const float2* w256;  // W_256^m, m < 256
   const float2* w4096; // W_4096^m, m < 256
   float* scratch;      // this pipeline's partial maxima
@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(kThreads, 1) tc_forward_kernel(const TcParams 
     if (p.pregate) prefetch_row_l2(p.pregate + row_of(2 * (first + pipe)), 2 * (int64_t)L, blk.tid, kPipeThreads);
   }
 
-  // twiddle tables and the head's spectrum, scaled into float16, in the fused pass's fragment order
+  // twiddle tables and the head's spectrum, scaled into float16, in the block pass's fragment order
   {
     const int t = threadIdx.x & 255;
     float s, c;
@@ -214,7 +214,7 @@ __global__ void __launch_bounds__(kThreads, 1) tc_forward_kernel(const TcParams 
     (threadIdx.x < 256 ? w256 : w4096)[t] = make_float2(c, -s);
   }
   // the head's spectrum S + D (D v as a tap at lag 0), staged in rfft's order in the pipelines' planes (free until
-  // the first pair), then each thread's four fragment slots gathered from there: frequency f of the fused pass's
+  // the first pair), then each thread's four fragment slots gathered from there: frequency f of the block pass's
   // position, conj(S[N - f]) above M. The staging XOR-swizzles bits 0-3 of f with the bits the lanes of one gather
   // differ in (the model's search: no bank conflict in either step).
   const float2* S = p.S + (int64_t)h * (kM + 1);
