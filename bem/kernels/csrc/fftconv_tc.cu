@@ -21,6 +21,7 @@
 
 #include "fftconv.h"
 #include "fftconv_block.cuh"
+#include "fftconv_launch.cuh"
 #include "fftconv_tc_fragments.cuh"
 #include "fftconv_tc_plan.cuh"
 #include "fftconv_tc_rows.cuh"
@@ -57,7 +58,7 @@ struct TcBlock {
     constexpr int s = kN / 16, per_block = s / 16;
     const int b = tile / per_block, j1 = tile % per_block;
     const int m = lane >> 3, i = lane & 7;
-    return smem_addr(re + swz(b * kN + 16 * j1 + 8 * (m & 1) + (i + 8 * (m >> 1)) * s));
+    return smem_address(re + swz(b * kN + 16 * j1 + 8 * (m & 1) + (i + 8 * (m >> 1)) * s));
   }
   static constexpr uint32_t kImOffset = 2 * N;  // bytes from the real plane to the imaginary one
 
@@ -82,8 +83,8 @@ struct TcBlock {
     for (int tile = warp; tile < kTiles; tile += kPipeWarps) {
       const uint32_t a_re = strided_addr<4096>(tile), a_im = a_re + kImOffset;
       uint32_t ar[4], ai[4];
-      ldsm_x4(a_re, ar, true);
-      ldsm_x4(a_im, ai, true);
+      load_tile(a_re, ar);
+      load_tile(a_im, ai);
       float cr[2][4], ci[2][4];
       dft_tile<kInverse>(ar, ai, w, cr, ci);
       if (!kInverse) {
@@ -100,9 +101,9 @@ struct TcBlock {
   __device__ static void store_tile(uint32_t a_re, const float (&cr)[2][4], const float (&ci)[2][4]) {
     uint32_t r[4];
     pack_tile(cr, r);
-    stsm_x4(a_re, r, true);
+    store_tile_trans(a_re, r);
     pack_tile(ci, r);
-    stsm_x4(a_re + kImOffset, r, true);
+    store_tile_trans(a_re + kImOffset, r);
   }
 
   // One 256-point block a tile, in registers from its load to its store: the forward radix-16 pass of stride 16
@@ -123,8 +124,8 @@ struct TcBlock {
       const uint4 k0 = reinterpret_cast<const uint4*>(spectrum)[(tile * 2) * 32 + lane];
       const uint4 k1 = reinterpret_cast<const uint4*>(spectrum)[(tile * 2 + 1) * 32 + lane];
       uint32_t ar[4], ai[4];
-      ldsm_x4(a_re, ar, true);
-      ldsm_x4(a_im, ai, true);
+      load_tile(a_re, ar);
+      load_tile(a_im, ai);
       float cr[2][4], ci[2][4];
       dft_tile<false>(ar, ai, w, cr, ci);
       twiddled_transpose(cr, ci, twr, twi, ar, ai);
@@ -293,12 +294,8 @@ template <int N>
 cudaError_t launch_tc(const TcForwardArgs& a, int num_sms, cudaStream_t stream) {
   constexpr int kSmem = TcShape<N>::kSmemBytes;
   auto kernel = tc_forward_kernel<N>;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) != cudaSuccess)
-    return cudaErrorInvalidConfiguration;
-  int resident = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, kSmem) != cudaSuccess ||
-      resident == 0)
-    return cudaErrorInvalidConfiguration;
+  const int resident = resident_blocks(kernel, kThreads, kSmem);
+  if (resident == 0) return cudaErrorInvalidConfiguration;
   // a block per head and chunk of its row pairs: chunks only where the heads alone would not fill the GPU
   const int pairs = (a.B + 1) / 2;
   const int64_t wanted = ((int64_t)resident * num_sms + a.H - 1) / a.H;

@@ -1,6 +1,6 @@
-// The warp-level pieces of the tensor-core fftconv forward (fftconv_tc.cu): ldmatrix / stmatrix / movmatrix and
-// mma.m16n8k16 on float16 fragments, the DFT-16 as B operands, a 16 x 16 complex tile times it, twiddles on a tile
-// in float32 or in float16 pairs. Fragment layouts as the PTX manual gives them; scripts/fftconv_tc_model.py
+// The warp-level pieces of the tensor-core fftconv forward (fftconv_tc.cu), on common.cuh's ldmatrix and
+// mma.m16n8k16: a tile's load and its transposed store, movmatrix, the DFT-16 as B operands, a 16 x 16 complex
+// tile times it, twiddles on a tile in float32 or in float16 pairs. Fragment layouts as the PTX manual gives them; scripts/fftconv_tc_model.py
 // models each one.
 #pragma once
 
@@ -8,41 +8,29 @@
 
 #include <cstdint>
 
+#include "common.cuh"
 #include "fftconv_block.cuh"
 
 namespace bem {
 namespace fftconv {
 namespace tc {
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+// A 16 x 16 tile of a float16 plane into registers: ldmatrix.x4.trans (common.cuh) with each lane's row address, the
+// four 8 x 8 blocks as an A fragment
+__device__ __forceinline__ void load_tile(unsigned address, uint32_t (&r)[4]) {
+  const uint4 v = ldmatrix_x4_trans(address);
+  r[0] = v.x;
+  r[1] = v.y;
+  r[2] = v.z;
+  r[3] = v.w;
 }
 
-__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t (&r)[4], bool trans) {
-  if (trans)
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-  else
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-
-__device__ __forceinline__ void stsm_x4(uint32_t addr, const uint32_t (&r)[4], bool trans) {
+// Its inverse: the four blocks of a packed tile back to the same rows, transposed (stmatrix, sm_90)
+__device__ __forceinline__ void store_tile_trans(unsigned address, const uint32_t (&r)[4]) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (trans)
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};"
-                 :: "r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
-  else
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};"
-                 :: "r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};"
+               :: "r"(address), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
 #endif
-}
-
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
@@ -80,10 +68,12 @@ __device__ __forceinline__ void dft_tile(const uint32_t (&ar)[4], const uint32_t
   for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) cr[nt][e] = ci[nt][e] = 0.f;
-    mma16816(cr[nt], ar, w.re[nt]);
-    mma16816(cr[nt], ai, kInverse ? w.im[nt] : w.neg_im[nt]);
-    mma16816(ci[nt], ar, kInverse ? w.neg_im[nt] : w.im[nt]);
-    mma16816(ci[nt], ai, w.re[nt]);
+    const uint32_t(&bi)[2] = kInverse ? w.im[nt] : w.neg_im[nt];
+    const uint32_t(&bn)[2] = kInverse ? w.neg_im[nt] : w.im[nt];
+    mma_16816<__half>(cr[nt], ar[0], ar[1], ar[2], ar[3], w.re[nt][0], w.re[nt][1]);
+    mma_16816<__half>(cr[nt], ai[0], ai[1], ai[2], ai[3], bi[0], bi[1]);
+    mma_16816<__half>(ci[nt], ar[0], ar[1], ar[2], ar[3], bn[0], bn[1]);
+    mma_16816<__half>(ci[nt], ai[0], ai[1], ai[2], ai[3], w.re[nt][0], w.re[nt][1]);
   }
 }
 
