@@ -73,13 +73,18 @@ struct TcBlock {
       }
   }
 
+  // W_256^{factor col} for this lane's four columns (c_col's order: n-tile, then element & 1)
+  __device__ void column_twiddles(int factor, float2 (&out)[4]) const {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) out[i] = w256[(factor * c_col(lane, i >> 1, i & 1)) & 255];
+  }
+
   // The radix-16 pass over blocks of 4096 points (stride 256): forward, with its output twiddles
   // W_4096^{(16 j1 + row) col} = W_4096^{row col} W_256^{j1 col} (the second factor per column), or inverse.
   template <bool kInverse>
   __device__ void outer_pass(const Dft16& w) const {
     float2 tw[2][4];
     if (!kInverse) lane_twiddles(w4096, false, tw);
-    const int c0 = (lane & 3) * 2;
     for (int tile = warp; tile < kTiles; tile += kPipeWarps) {
       const uint32_t a_re = strided_addr<4096>(tile), a_im = a_re + kImOffset;
       uint32_t ar[4], ai[4];
@@ -88,10 +93,8 @@ struct TcBlock {
       float cr[2][4], ci[2][4];
       dft_tile<kInverse>(ar, ai, w, cr, ci);
       if (!kInverse) {
-        const int j1 = tile & 15;
         float2 col_tw[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) col_tw[i] = w256[(j1 * (c0 + (i & 1) + 8 * (i >> 1))) & 255];
+        column_twiddles(tile & 15, col_tw);
         twiddle_tile(cr, ci, lane, [&](int nt, int e) { return cmul(tw[nt][e], col_tw[(e & 1) + 2 * nt]); });
       }
       store_tile(a_re, cr, ci);
@@ -118,7 +121,6 @@ struct TcBlock {
     pair_twiddles(tw, twr, twi);
 #pragma unroll
     for (int i = 0; i < 4; ++i) conj_twi[i] = twi[i] ^ 0x80008000u;
-    const int c0 = (lane & 3) * 2;
     for (int tile = warp; tile < kTiles; tile += kPipeWarps) {
       const uint32_t a_re = strided_addr<256>(tile), a_im = a_re + kImOffset;
       const uint4 k0 = reinterpret_cast<const uint4*>(spectrum)[(tile * 2) * 32 + lane];
@@ -141,8 +143,7 @@ struct TcBlock {
         const int qb = tile & 15;
         const float2 row_tw[2] = {w4096[(lane >> 2) * qb], w4096[((lane >> 2) + 8) * qb]};
         float2 col_tw[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) col_tw[i] = w256[((c0 + (i & 1) + 8 * (i >> 1)) * qb) & 255];
+        column_twiddles(qb, col_tw);
         twiddle_tile(cr, ci, lane,
                      [&](int nt, int e) { return conj2(cmul(row_tw[e >> 1], col_tw[(e & 1) + 2 * nt])); });
       }
@@ -309,27 +310,28 @@ cudaError_t launch_tc(const TcForwardArgs& a, int num_sms, cudaStream_t stream) 
   return cudaGetLastError();
 }
 
+// The tensor-core forward's spectrum lengths, 1024 .. 8192 (a complex FFT of N = 2M): f(N), or `otherwise`
+template <typename F, typename R>
+R with_tc_length(int M, R otherwise, F&& f) {
+  R out = otherwise;
+  with_spectrum_length(M, [&](auto m) {
+    constexpr int kM = decltype(m)::value;
+    if constexpr (kM <= 8192) out = f(std::integral_constant<int, 2 * kM>());
+    return cudaSuccess;
+  });
+  return out;
+}
+
 }  // namespace
 
 bool tc_forward_takes(Dtype dtype, int M, int cc_major, int smem_optin) {
   if (dtype != Dtype::kBFloat16 || cc_major < 9) return false;
-  switch (M) {
-    case 1024: return TcShape<2048>::kSmemBytes <= smem_optin;
-    case 2048: return TcShape<4096>::kSmemBytes <= smem_optin;
-    case 4096: return TcShape<8192>::kSmemBytes <= smem_optin;
-    case 8192: return TcShape<16384>::kSmemBytes <= smem_optin;
-    default: return false;
-  }
+  return with_tc_length(M, false, [&](auto n) { return TcShape<decltype(n)::value>::kSmemBytes <= smem_optin; });
 }
 
 cudaError_t launch_tc_forward(int M, const TcForwardArgs& args, int num_sms, cudaStream_t stream) {
-  switch (M) {
-    case 1024: return launch_tc<2048>(args, num_sms, stream);
-    case 2048: return launch_tc<4096>(args, num_sms, stream);
-    case 4096: return launch_tc<8192>(args, num_sms, stream);
-    case 8192: return launch_tc<16384>(args, num_sms, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return with_tc_length(M, cudaErrorInvalidValue,
+                        [&](auto n) { return launch_tc<decltype(n)::value>(args, num_sms, stream); });
 }
 
 }  // namespace fftconv
