@@ -264,8 +264,8 @@ __global__ void __launch_bounds__(kThreads, 1) tc_forward_kernel(const TcParams 
     const bool two = b1 + 1 < p.B;
     const int64_t row1 = row_of(b1), row2 = row_of(b1 + 1);
     float s1, s2;
-    Pass::forward(p, row1, row2, two, blk.re, blk.im, blk.tid, p.vec,
-                  [&](float2 m) { return blk.pipe_max(m, pipe); }, s1, s2);
+    Pass::forward(p, row1, row2, two, blk.re, blk.im, blk.tid, [&](float2 m) { return blk.pipe_max(m, pipe); }, s1,
+                  s2);
     pipe_sync(pipe);
     // the postgate's rows the epilogue reads, and the next pair's inputs, into L2 while the tensor cores work
     const int rows_here = two ? 2 : 1;
@@ -285,7 +285,7 @@ __global__ void __launch_bounds__(kThreads, 1) tc_forward_kernel(const TcParams 
       blk.template outer_pass<true>(dft);
       pipe_sync(pipe);
     }
-    Pass::inverse(p, row1, row2, two, 1.f / (s1 * sk), 1.f / (s2 * sk), blk.re, blk.im, blk.tid, p.vec);
+    Pass::inverse(p, row1, row2, two, 1.f / (s1 * sk), 1.f / (s2 * sk), blk.re, blk.im, blk.tid);
     pipe_sync(pipe);  // the next pair's first pass overwrites the planes
   }
 #endif

@@ -55,11 +55,11 @@ __device__ __forceinline__ void load_row(const __nv_bfloat16* base, int64_t row,
 }
 
 template <int V>
-__device__ __forceinline__ void load_gated(const TcParams& p, int64_t row, int at, bool vec, float (&v)[V]) {
-  load_row<V>(p.u, row, at, p.L, vec, v);
+__device__ __forceinline__ void load_gated(const TcParams& p, int64_t row, int at, float (&v)[V]) {
+  load_row<V>(p.u, row, at, p.L, p.vec, v);
   if (p.pregate) {
     float g[V];
-    load_row<V>(p.pregate, row, at, p.L, vec, g);
+    load_row<V>(p.pregate, row, at, p.L, p.vec, g);
 #pragma unroll
     for (int e = 0; e < V; ++e) v[e] *= g[e];
   }
@@ -116,13 +116,13 @@ struct Simt {
   }
 
   // the rows' values at this thread's points of one chunk (zero for an absent second row), and their maxima
-  static __device__ void load_chunk(const TcParams& p, int64_t row1, int64_t row2, bool two, int tid, bool vec,
-                                    int chunk, float (&a)[kLive][kV], float (&b)[kLive][kV], float2& m) {
+  static __device__ void load_chunk(const TcParams& p, int64_t row1, int64_t row2, bool two, int tid, int chunk,
+                                    float (&a)[kLive][kV], float (&b)[kLive][kV], float2& m) {
 #pragma unroll
     for (int t = 0; t < kLive; ++t) {
       const int at = first_j(tid, chunk) + t * kS0;
-      load_gated<kV>(p, row1, at, vec, a[t]);
-      if (two) load_gated<kV>(p, row2, at, vec, b[t]);
+      load_gated<kV>(p, row1, at, a[t]);
+      if (two) load_gated<kV>(p, row2, at, b[t]);
 #pragma unroll
       for (int e = 0; e < kV; ++e) {
         if (!two) b[t][e] = 0.f;
@@ -165,19 +165,19 @@ struct Simt {
   // thread), else they are loaded again (from L1 or L2).
   template <typename Reduce>
   static __device__ void forward(const TcParams& p, int64_t row1, int64_t row2, bool two, __half* re, __half* im,
-                                 int tid, bool vec, Reduce&& reduce, float& s1, float& s2) {
+                                 int tid, Reduce&& reduce, float& s1, float& s2) {
     constexpr bool kHold = kChunks * kLive * kV <= 16;
     float a[kHold ? kChunks : 1][kLive][kV], b[kHold ? kChunks : 1][kLive][kV];
     float2 m = make_float2(0.f, 0.f);
 #pragma unroll
-    for (int chunk = 0; chunk < kChunks; ++chunk) load_chunk(p, row1, row2, two, tid, vec, chunk,
-                                                             a[kHold ? chunk : 0], b[kHold ? chunk : 0], m);
+    for (int chunk = 0; chunk < kChunks; ++chunk)
+      load_chunk(p, row1, row2, two, tid, chunk, a[kHold ? chunk : 0], b[kHold ? chunk : 0], m);
     const float2 mx = reduce(m);
     s1 = unit_scale(mx.x);
     s2 = unit_scale(mx.y);
 #pragma unroll
     for (int chunk = 0; chunk < kChunks; ++chunk) {
-      if (!kHold) load_chunk(p, row1, row2, two, tid, vec, chunk, a[0], b[0], m);
+      if (!kHold) load_chunk(p, row1, row2, two, tid, chunk, a[0], b[0], m);
       transform_chunk(a[kHold ? chunk : 0], b[kHold ? chunk : 0], s1, s2, first_j(tid, chunk), re, im);
     }
   }
@@ -185,7 +185,7 @@ struct Simt {
   // the inverse: x_q = W_N^{-jq} z_q, y_t = r^-1/2 sum_q x_q W_r^{-tq}; then the epilogue on both rows (D v
   // came through the transforms: the spectrum is S + D)
   static __device__ void inverse(const TcParams& p, int64_t row1, int64_t row2, bool two, float un1, float un2,
-                                 const __half* re, const __half* im, int tid, bool vec) {
+                                 const __half* re, const __half* im, int tid) {
     const float norm = rsqrtf((float)kR);
 #pragma unroll 1
     for (int chunk = 0; chunk < kChunks; ++chunk) {
@@ -226,14 +226,14 @@ struct Simt {
           if (r == 1 && !two) break;
           const int64_t row = r == 0 ? row1 : row2;
           float post[kV], y[kV];
-          if (p.postgate) load_row<kV>(p.postgate, row, at, p.L, vec, post);
+          if (p.postgate) load_row<kV>(p.postgate, row, at, p.L, p.vec, post);
 #pragma unroll
           for (int e = 0; e < kV; ++e) {
             float c = r == 0 ? o1[t][e] : o2[t][e];
             if (p.gelu) c = gelu_f(c);
             y[e] = p.postgate ? c * post[e] : c;
           }
-          store_row<kV>(p.y, row, at, p.L, vec, y);
+          store_row<kV>(p.y, row, at, p.L, p.vec, y);
         }
       }
     }
