@@ -1,8 +1,8 @@
-"""The tensor-core forward of fftconv (bfloat16 rows, L <= 8192, compute capability 9.0 and later) against float64:
+"""The tensor-core kernel of fftconv (bfloat16 rows, L <= 8192, compute capability 9.0 and later) against float64:
 that it is the kernel that runs, every spectrum length and radix of its plan, odd batches (a pair's second row
 absent), heads split into chunks of pairs, rows and filters of very different magnitudes (its per-row and
-per-filter scales into float16's range), and the block kernels it replaces (BEM_FFTCONV_TENSOR_CORES=0) on the
-same operands."""
+per-filter scales into float16's range), the block kernels it replaces (BEM_FFTCONV_TENSOR_CORES=0) on the
+same operands, and the backward's input gradient it computes as a correlation (no pre-gate, no activation pass)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from bem.kernels.fftconv import custom_ops, dispatch, reference
 
 from .kernel_helpers import bound, poison_allocator, rel_err, stable_seed
-from .test_fftconv import _operands, _reference64
+from .test_fftconv import _dD_floor, _grads, _operands, _reference64
 
 pytestmark = [
     pytest.mark.gpu,
@@ -101,3 +101,31 @@ def test_equal_inputs_give_equal_rows():
     ref = _reference64(u, k, D, None, None, False)[0]
     for b in range(2):
         assert rel_err(y[b], ref) <= bound(rel_err(reference.fftconv_fft(u, k, D)[0], ref), BF16)
+
+
+@pytest.mark.parametrize("B,H,L,post,with_D", [(3, 5, 1000, False, True), (4, 2, 3000, True, True),
+                                               (2, 768, 4096, False, False), (5, 3, 8192, True, True)])
+def test_backward_input_gradient_as_a_correlation(B, H, L, post, with_D):
+    u, k, D, _, postgate = _operands(B, H, L, L, BF16, stable_seed("tc-bwd", B, H, L), gates=True, D=with_D,
+                                     requires_grad=True)
+    operands = [u, k, D, None, postgate if post else None]
+    grad_y = torch.randn(B, H, L, device="cuda", dtype=torch.float64).to(BF16)
+    ref = _grads(reference.fftconv_fft,
+                 [None if t is None else t.detach().double().requires_grad_() for t in operands], grad_y.double())
+    pytorch = _grads(reference.fftconv_fft, operands, grad_y)
+    poison_allocator(grad_y.device, 4 * grad_y.numel())
+    ours = None
+
+    def run():
+        nonlocal ours
+        ours = _grads(dispatch.fftconv, operands, grad_y)
+
+    names = _cuda_kernels(run)
+    assert sum("tc_forward_kernel" in n for n in names) == 2, sorted(set(names))  # the forward and du
+    leaves = [t for t in operands if t is not None]
+    labels = [n for n, t in zip(("du", "dk", "dD", "dpregate", "dpostgate"), operands) if t is not None]
+    for name, mine, theirs, exact, leaf in zip(labels, ours, pytorch, ref, leaves):
+        assert mine.dtype == leaf.dtype and mine.shape == leaf.shape, name
+        err, torch_err = rel_err(mine, exact), rel_err(theirs, exact)
+        floor = _dD_floor(operands, grad_y, False, exact) if name == "dD" else 0.0
+        assert err <= bound(max(torch_err, floor), BF16), f"{name}: error {err:.3g}, PyTorch's {torch_err:.3g}"

@@ -53,6 +53,8 @@ struct ForwardArgs {
 
 // The tensor-core forward (fftconv_tc.cu): bfloat16 rows, 1024 <= M <= 8192, compute capability 9.0 and
 // later; the same operands as ForwardArgs, with B and H given apart (two batch rows of a head share a transform).
+// With `correlate`, the filter's spectrum is conjugated: y = postgate ⊙ act(corr(pregate ⊙ u, k) + D ⊙ pregate ⊙ u),
+// corr(g, k)_t = sum_{s >= t} k[s - t] g_s (the backward's dv for g = dy ⊙ postgate).
 struct TcForwardArgs {
   const void* u;
   const void* pregate;
@@ -62,6 +64,7 @@ struct TcForwardArgs {
   void* y;
   int B, H, L;
   bool gelu;
+  bool correlate;
 };
 bool tc_forward_takes(Dtype dtype, int M, int cc_major, int smem_optin);
 cudaError_t launch_tc_forward(int M, const TcForwardArgs& args, int num_sms, cudaStream_t stream);

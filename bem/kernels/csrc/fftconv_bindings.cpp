@@ -119,7 +119,7 @@ std::vector<Tensor> fftconv_forward(const Tensor& u, const Tensor& k, const OptT
     const fc::TcForwardArgs args{u.data_ptr(), ptr(pregate), ptr(postgate),
                                  reinterpret_cast<const float2*>(S.data_ptr()),
                                  D32.has_value() ? D32->data_ptr<float>() : nullptr,
-                                 y.data_ptr(), (int)s.B, (int)s.H, (int)s.L, gelu};
+                                 y.data_ptr(), (int)s.B, (int)s.H, (int)s.L, gelu, false};
     C10_CUDA_CHECK(fc::launch_tc_forward((int)s.M, args, num_sms(u.get_device()), stream_now()));
     return {y, kept};
   }
@@ -197,6 +197,20 @@ std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, cons
     // gradients (one block per (b, h) row); dk (a block per (h, group of batch rows), summing G conj(V) over
     // the group).
     const bool inputs_wanted = need_u || need_pre || need_D;
+    // Without the activation pass and the pre-gate, dv = corr(dy ⊙ postgate, k) + D ⊙ dy ⊙ postgate is du: the
+    // tensor-core kernel's correlation (bf16, 1024 <= M <= 8192) takes it; dD is then its own sum.
+    const bool tc_inputs = need_u && !need_c && !pregate.has_value() && tc_path(s.dtype, s.M, u.get_device());
+    if (tc_inputs) {
+      const fc::TcForwardArgs tc{grad_y.data_ptr(), ptr(postgate), nullptr, reinterpret_cast<const float2*>(S.data_ptr()),
+                                 D32.has_value() ? D32->data_ptr<float>() : nullptr, du.data_ptr(), (int)s.B, (int)s.H,
+                                 (int)s.L, false, true};
+      C10_CUDA_CHECK(fc::launch_tc_forward((int)s.M, tc, sms, stream_now()));
+      if (need_D) {
+        fc::RowsArgs r = rows_args(s, u, pregate, postgate, D32, gelu);
+        r.dy = grad_y.data_ptr();
+        dD = dD_sum(s, r, nullptr, 0, *D);
+      }
+    }
     Tensor g_rows;
     if (need_c) {
       g_rows = at::empty({s.B, s.H, s.L}, u.options().dtype(at::kFloat));
@@ -210,7 +224,7 @@ std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, cons
       C10_CUDA_CHECK(fc::launch_backward(s.dtype, (int)s.M, args, blocks, stream_now()));
       args.dpostgate = nullptr;
     }
-    if (inputs_wanted) {
+    if (inputs_wanted && !tc_inputs) {
       args.pass = fc::BackwardPass::kInputs;
       args.groups = (int)s.B;
       args.rows_per_group = 1;

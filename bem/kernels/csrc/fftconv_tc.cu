@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(kThreads, 1) tc_forward_kernel(const TcParams 
       const int row = c_row(lane, e), col = c_col(lane, vh, e);
       const int f = Block::frequency(16 * (16 * tile + row) + col);
       const float2 v = staged[stage(f <= kM ? f : N - f)];
-      k[e] = make_float2(v.x * sk, f <= kM ? v.y * sk : -v.y * sk);
+      k[e] = make_float2(v.x * sk, (f > kM) != p.correlate ? -v.y * sk : v.y * sk);  // conj above M; correlate: conj
     }
     // the block pass's pairs: real parts of elements 0 and 1, their imaginary parts, then elements 2 and 3
     reinterpret_cast<uint4*>(blk.spectrum)[g] = make_uint4(pack_half2(k[0].x, k[1].x), pack_half2(k[0].y, k[1].y),
@@ -305,7 +305,7 @@ cudaError_t launch_tc(const TcForwardArgs& a, int num_sms, cudaStream_t stream) 
   const bool vec = a.L % 8 == 0 && aligned(a.u) && aligned(a.pregate) && aligned(a.postgate) && aligned(a.y);
   const TcParams p{static_cast<const __nv_bfloat16*>(a.u), static_cast<const __nv_bfloat16*>(a.pregate),
                    static_cast<const __nv_bfloat16*>(a.postgate), a.S, a.D, static_cast<__nv_bfloat16*>(a.y),
-                   a.B, a.H, a.L, chunks, a.gelu, vec};
+                   a.B, a.H, a.L, chunks, a.gelu, vec, a.correlate};
   kernel<<<(unsigned)(a.H * chunks), kThreads, kSmem, stream>>>(p);
   return cudaGetLastError();
 }

@@ -50,7 +50,8 @@ struct TcParams {
   __nv_bfloat16* y;
   int B, H, L, chunks;
   bool gelu;
-  bool vec;  // 16-byte accesses: L a multiple of 8 and every row pointer 16-byte aligned
+  bool vec;        // 16-byte accesses: L a multiple of 8 and every row pointer 16-byte aligned
+  bool correlate;  // the spectrum conjugated: the correlation with the filter
 };
 
 // a power of two bringing m into (0.5, 1]; 1 for 0 (and for values that are not finite)
