@@ -216,29 +216,18 @@ def strided_addrs(n: int, b: int, j1: int, s: int):
     return addrs
 
 
-def fftconv_tc(v1: np.ndarray, v2: np.ndarray, k: np.ndarray, N: int,
-               half2: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """Causal conv of two real rows (length L <= N / 2) with one filter, as the kernel computes it."""
+def scale_of(x: np.ndarray) -> float:
+    """The power of two that brings max |x| into (0.5, 1] (1 for zeros)."""
+    m = float(np.max(np.abs(x))) if x.size else 0.0
+    return 1.0 if m == 0 else 2.0 ** -np.ceil(np.log2(m))
+
+
+def transform(z: np.ndarray, N: int, half2: bool, product=None, capture=None):
+    """The kernel's passes on one complex signal z (N points): the forward passes, then in the block pass either
+    capture[tau] = the spectrum's tile as float16 (the filter-gradient kernel's first transform, which stops there)
+    or product(tau, out, pairs) on it, then the inverse passes. Returns the N outputs (complex), or None."""
     r, a = plan(N)
     s0 = N // r
-    L = len(v1)
-    # per-row power-of-two scales into (0.5, 1]
-    def scale_of(x):
-        m = float(np.max(np.abs(x))) if x.size else 0.0
-        return 1.0 if m == 0 else 2.0 ** -np.ceil(np.log2(m))
-    s1, s2 = scale_of(v1), scale_of(v2)
-    z = np.zeros(N, np.complex64)
-    z[:L] = (np.float32(v1) * np.float32(s1)) + 1j * (np.float32(v2) * np.float32(s2))
-    # filter spectrum, its scale and the fragment-order table the block pass reads
-    kp = np.zeros(N)
-    kp[: len(k)] = k
-    S = np.fft.rfft(kp)  # (N/2 + 1)
-    full = np.concatenate([S, np.conj(S[1:-1][::-1])])
-    sk = 2.0 ** -np.ceil(np.log2(max(np.abs(S.real).max(), np.abs(S.imag).max())))
-    K16 = (full * sk).astype(np.complex64)
-    order = np.array([frequency_of(p, N) for p in range(N)])
-    Kr, Ki = np.float16(K16.real[order]), np.float16(K16.imag[order])
-
     re = np.zeros(N, np.float16)
     im = np.zeros(N, np.float16)
     # SIMT forward stage: y_q = r^-1/2 sum_t x_t W_r^{tq} W_N^{jq} at j + q s0
@@ -272,7 +261,11 @@ def fftconv_tc(v1: np.ndarray, v2: np.ndarray, k: np.ndarray, N: int,
         out = complex_mma(ar, ai, fwd, False)
         pairs(out, lambda lane, row, col: w(256, row * col))
         out = complex_mma(transposed_a(out, "re"), transposed_a(out, "im"), fwd, False)
-        pairs(out, lambda lane, row, col: complex(Kr[16 * (16 * tau + row) + col], Ki[16 * (16 * tau + row) + col]))
+        if capture is not None:
+            capture[tau] = {c_rowcol(lane, nt, e): complex(np.float16(out[nt][0][lane][e]), np.float16(out[nt][1][lane][e]))
+                            for nt in range(2) for lane in range(LANES) for e in range(4)}
+            continue
+        product(tau, out, pairs)
         out = complex_mma(c_as_a(out, "re"), c_as_a(out, "im"), inv, True)
         pairs(out, lambda lane, row, col: w(256, -row * col))
         out = complex_mma(transposed_a(out, "re"), transposed_a(out, "im"), inv, True)
@@ -280,16 +273,67 @@ def fftconv_tc(v1: np.ndarray, v2: np.ndarray, k: np.ndarray, N: int,
             twiddle(out, lambda lane, row, col: w(4096, -(row + 16 * col) * (tau % 16)))
         stmatrix_x4(re, addrs, pack_c(out, "re"), True)
         stmatrix_x4(im, addrs, pack_c(out, "im"), True)
+    if capture is not None:
+        return None
     if a == 3:
         outer_pass(True)
-    # SIMT inverse stage and the outputs
+    # SIMT inverse stage
     y = np.zeros(N, np.complex128)
     for j in range(s0):
         xs = [complex(np.float32(re[j + q * s0]), np.float32(im[j + q * s0])) * w(N, -j * q) for q in range(r)]
         for t in range(r):
             y[j + t * s0] = sum(xs[q] * w(r, -t * q) for q in range(r)) / np.sqrt(r)
-    y = y[:L]
+    return y
+
+
+def fftconv_tc(v1: np.ndarray, v2: np.ndarray, k: np.ndarray, N: int,
+               half2: bool = True, correlate: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Causal conv (or with `correlate`, the correlation) of two real rows (length L <= N / 2) with one filter, as
+    the kernel computes it."""
+    L = len(v1)
+    s1, s2 = scale_of(v1), scale_of(v2)
+    z = np.zeros(N, np.complex64)
+    z[:L] = (np.float32(v1) * np.float32(s1)) + 1j * (np.float32(v2) * np.float32(s2))
+    # filter spectrum, its scale and the fragment-order table the block pass reads
+    kp = np.zeros(N)
+    kp[: len(k)] = k
+    S = np.fft.rfft(kp)  # (N/2 + 1)
+    full = np.concatenate([S, np.conj(S[1:-1][::-1])])
+    if correlate:
+        full = np.conj(full)
+    sk = 2.0 ** -np.ceil(np.log2(max(np.abs(S.real).max(), np.abs(S.imag).max())))
+    K16 = (full * sk).astype(np.complex64)
+    order = np.array([frequency_of(p, N) for p in range(N)])
+    Kr, Ki = np.float16(K16.real[order]), np.float16(K16.imag[order])
+
+    def product(tau, out, pairs):
+        pairs(out, lambda lane, row, col: complex(Kr[16 * (16 * tau + row) + col], Ki[16 * (16 * tau + row) + col]))
+
+    y = transform(z, N, half2, product=product)[:L]
     return (y.real / (s1 * sk)).astype(np.float32), (y.imag / (s2 * sk)).astype(np.float32)
+
+
+def filter_grad_tc(g: np.ndarray, v: np.ndarray, N: int, taps: int, half2: bool = True) -> np.ndarray:
+    """dk[j] = sum_b sum_t g_b[t] v_b[t - j] over two rows (g, v: (2, L)), as the filter-gradient kernel computes
+    it: Re IFFT(Zg conj(Zv)) holds corr(g1, v1) + corr(g2, v2) (the cross terms come back imaginary), so each of z
+    takes one scale for both its rows; Zg is kept as float16 pairs from a first transform."""
+    L = g.shape[1]
+    sg, sv = scale_of(g), scale_of(v)
+    zg = np.zeros(N, np.complex64)
+    zv = np.zeros(N, np.complex64)
+    zg[:L] = np.float32(g[0] * sg) + 1j * np.float32(g[1] * sg)
+    zv[:L] = np.float32(v[0] * sv) + 1j * np.float32(v[1] * sv)
+    kept = {}
+    transform(zg, N, half2, capture=kept)
+
+    def product(tau, out, pairs):
+        for nt in range(2):
+            out[nt][1][:] = [[-x for x in row] for row in out[nt][1]]  # conj(Zv)
+        pairs(out, lambda lane, row, col: kept[tau][(row, col)])
+
+    y = transform(zv, N, half2, product=product)
+    # unitary passes: Fu^H (Fu g conj(Fu v)) = IFFT(G conj V) / sqrt(N)
+    return (y.real[:taps] * np.sqrt(N) / (sg * sv)).astype(np.float32)
 
 
 def direct(v: np.ndarray, k: np.ndarray) -> np.ndarray:

@@ -2,7 +2,8 @@
 that it is the kernel that runs, every spectrum length and radix of its plan, odd batches (a pair's second row
 absent), heads split into chunks of pairs, rows and filters of very different magnitudes (its per-row and
 per-filter scales into float16's range), the block kernels it replaces (BEM_FFTCONV_TENSOR_CORES=0) on the
-same operands, and the backward's input gradient it computes as a correlation (no pre-gate, no activation pass)."""
+same operands, and the backward's gradients it computes without an activation pass: du as a correlation (no
+pre-gate), dk as Re IFFT(Zg conj(Zv)) over pairs of batch rows (L <= 4096)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from bem.kernels.fftconv import custom_ops, dispatch, reference
 
 from .kernel_helpers import bound, poison_allocator, rel_err, stable_seed
-from .test_fftconv import _dD_floor, _grads, _operands, _reference64
+from .test_fftconv import _dD_floor, _operands, _reference64
 
 pytestmark = [
     pytest.mark.gpu,
@@ -103,27 +104,37 @@ def test_equal_inputs_give_equal_rows():
         assert rel_err(y[b], ref) <= bound(rel_err(reference.fftconv_fft(u, k, D)[0], ref), BF16)
 
 
-@pytest.mark.parametrize("B,H,L,post,with_D", [(3, 5, 1000, False, True), (4, 2, 3000, True, True),
-                                               (2, 768, 4096, False, False), (5, 3, 8192, True, True)])
-def test_backward_input_gradient_as_a_correlation(B, H, L, post, with_D):
-    u, k, D, _, postgate = _operands(B, H, L, L, BF16, stable_seed("tc-bwd", B, H, L), gates=True, D=with_D,
-                                     requires_grad=True)
-    operands = [u, k, D, None, postgate if post else None]
+def _grads_of_leaves(fn, operands, grad_y):
+    leaves = [t for t in operands if t is not None and t.requires_grad]
+    return leaves, torch.autograd.grad(fn(*operands), leaves, grad_y)
+
+
+@pytest.mark.parametrize("B,H,L,pre,post,with_D", [(3, 5, 1000, False, False, True), (4, 2, 3000, False, True, True),
+                                                   (2, 768, 4096, False, False, False), (5, 3, 2000, True, True, True),
+                                                   (5, 3, 8192, False, True, True)])
+def test_backward_on_tensor_cores(B, H, L, pre, post, with_D):
+    # the post-gate as a constant: its gradient would need the activation pass (c), which these kernels do not take
+    u, k, D, pregate, postgate = _operands(B, H, L, L, BF16, stable_seed("tc-bwd", B, H, L), gates=True, D=with_D,
+                                           requires_grad=True)
+    operands = [u, k, D, pregate if pre else None, postgate.detach() if post else None]
     grad_y = torch.randn(B, H, L, device="cuda", dtype=torch.float64).to(BF16)
-    ref = _grads(reference.fftconv_fft,
-                 [None if t is None else t.detach().double().requires_grad_() for t in operands], grad_y.double())
-    pytorch = _grads(reference.fftconv_fft, operands, grad_y)
+    exact64 = [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in operands]
+    _, ref = _grads_of_leaves(reference.fftconv_fft, exact64, grad_y.double())
+    _, pytorch = _grads_of_leaves(reference.fftconv_fft, operands, grad_y)
     poison_allocator(grad_y.device, 4 * grad_y.numel())
     ours = None
 
     def run():
         nonlocal ours
-        ours = _grads(dispatch.fftconv, operands, grad_y)
+        _, ours = _grads_of_leaves(dispatch.fftconv, operands, grad_y)
 
     names = _cuda_kernels(run)
-    assert sum("tc_forward_kernel" in n for n in names) == 2, sorted(set(names))  # the forward and du
-    leaves = [t for t in operands if t is not None]
-    labels = [n for n, t in zip(("du", "dk", "dD", "dpregate", "dpostgate"), operands) if t is not None]
+    # the forward, and du where there is no pre-gate
+    assert sum("tc_forward_kernel" in n for n in names) == (1 if pre else 2), sorted(set(names))
+    # dk on tensor cores up to M = 4096 (each pipeline's planes and kept spectrum), on the block kernels above
+    assert sum("tc_filter_grad_kernel" in n for n in names) == (1 if L <= 4096 else 0), sorted(set(names))
+    labels = [n for n, t in zip(("du", "dk", "dD", "dpregate"), operands) if t is not None and t.requires_grad]
+    leaves = [t for t in operands if t is not None and t.requires_grad]
     for name, mine, theirs, exact, leaf in zip(labels, ours, pytorch, ref, leaves):
         assert mine.dtype == leaf.dtype and mine.shape == leaf.shape, name
         err, torch_err = rel_err(mine, exact), rel_err(theirs, exact)

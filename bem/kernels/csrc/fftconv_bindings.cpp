@@ -239,7 +239,14 @@ std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, cons
       args.du = args.dpregate = nullptr;
       args.dD_part = nullptr;
     }
-    if (need_k) {
+    if (need_k && !need_c && tc_filter_grad_path(s.dtype, s.M, u.get_device())) {
+      // the tensor-core filter gradient: a share per (h, pair of batch rows), summed here
+      Tensor dk_part = at::empty({s.H, (s.B + 1) / 2, s.taps}, u.options().dtype(at::kFloat));
+      const fc::TcFilterGradArgs tc{grad_y.data_ptr(), ptr(postgate), u.data_ptr(), ptr(pregate),
+                                    dk_part.data_ptr<float>(), (int)s.B, (int)s.H, (int)s.L, (int)s.taps};
+      C10_CUDA_CHECK(fc::launch_tc_filter_grad((int)s.M, tc, sms, stream_now()));
+      dk = dk_of(dk_part.sum(1), k);
+    } else if (need_k) {
       args.pass = fc::BackwardPass::kFilter;
       // a block per (h, group of batch rows): as many groups as fill the GPU once, the groups' dk summed after
       const int full = fc::backward_blocks(s.dtype, (int)s.M, INT_MAX, sms, args.pass, need_c);

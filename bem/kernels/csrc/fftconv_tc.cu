@@ -32,6 +32,10 @@ namespace {
 
 using namespace tc;  // fftconv_tc_fragments.cuh, fftconv_tc_plan.cuh, fftconv_tc_rows.cuh
 
+// What the block pass multiplies the spectrum by: the filter's; nothing (it keeps the spectrum); the kept one
+// (times this one's conjugate)
+enum class Product { kFilter, kStore, kConjugateStored };
+
 template <int N>
 struct TcBlock {
   using Shape = TcShape<N>;
@@ -114,6 +118,9 @@ struct TcBlock {
   // movmatrix), the product with the spectrum, the first inverse pass, its twiddles for the inverse pass of
   // stride 16, that pass (transposed again) and, with a pass of 4096 after it, that pass's input twiddles
   // W_4096^{-(row + 16 col) qb} = conj(W_4096^{row qb} W_256^{col qb}), qb = the block's index mod 16.
+  // kStore keeps the forward's spectrum in `spectrum` (the table's order) and stops there; kConjugateStored
+  // multiplies the conjugate of this transform's spectrum by the kept one instead of by the filter's.
+  template <Product kMode>
   __device__ void block_pass(const Dft16& w) const {
     float2 tw[2][4];
     lane_twiddles(w256, false, tw);
@@ -123,8 +130,11 @@ struct TcBlock {
     for (int i = 0; i < 4; ++i) conj_twi[i] = twi[i] ^ 0x80008000u;
     for (int tile = warp; tile < kTiles; tile += kPipeWarps) {
       const uint32_t a_re = strided_addr<256>(tile), a_im = a_re + kImOffset;
-      const uint4 k0 = reinterpret_cast<const uint4*>(spectrum)[(tile * 2) * 32 + lane];
-      const uint4 k1 = reinterpret_cast<const uint4*>(spectrum)[(tile * 2 + 1) * 32 + lane];
+      uint4 k0 = make_uint4(0, 0, 0, 0), k1 = k0;
+      if (kMode != Product::kStore) {
+        k0 = reinterpret_cast<const uint4*>(spectrum)[(tile * 2) * 32 + lane];
+        k1 = reinterpret_cast<const uint4*>(spectrum)[(tile * 2 + 1) * 32 + lane];
+      }
       uint32_t ar[4], ai[4];
       load_tile(a_re, ar);
       load_tile(a_im, ai);
@@ -134,6 +144,15 @@ struct TcBlock {
       dft_tile<false>(ar, ai, w, cr, ci);
       pack_tile(cr, ar);
       pack_tile(ci, ai);
+      if (kMode == Product::kStore) {
+        reinterpret_cast<uint4*>(spectrum)[(tile * 2) * 32 + lane] = make_uint4(ar[0], ai[0], ar[1], ai[1]);
+        reinterpret_cast<uint4*>(spectrum)[(tile * 2 + 1) * 32 + lane] = make_uint4(ar[2], ai[2], ar[3], ai[3]);
+        continue;
+      }
+      if (kMode == Product::kConjugateStored) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) ai[i] ^= 0x80008000u;
+      }
       const uint32_t kr[4] = {k0.x, k0.z, k1.x, k1.z}, ki[4] = {k0.y, k0.w, k1.y, k1.w};
       twiddle_pairs(ar, ai, kr, ki);
       dft_tile<true>(ar, ai, w, cr, ci);
@@ -279,7 +298,7 @@ __global__ void __launch_bounds__(kThreads, 1) tc_forward_kernel(const TcParams 
       blk.template outer_pass<false>(dft);
       pipe_sync(pipe);
     }
-    blk.block_pass(dft);
+    blk.template block_pass<Product::kFilter>(dft);
     pipe_sync(pipe);
     if (Shape::kA == 3) {
       blk.template outer_pass<true>(dft);
@@ -289,6 +308,122 @@ __global__ void __launch_bounds__(kThreads, 1) tc_forward_kernel(const TcParams 
     pipe_sync(pipe);  // the next pair's first pass overwrites the planes
   }
 #endif
+}
+
+// The filter's gradient, dk[h, j] = sum_b sum_t g[b, h, t] v[b, h, t - j] (g = dy ⊙ postgate, v = u ⊙ pregate),
+// a share per (h, pair of batch rows): with zg = s (g1 + i g2) and zv = s' (v1 + i v2), one scale a pair each,
+// Re IFFT(Zg conj(Zv)) = s s' (corr(g1, v1) + corr(g2, v2)) (the cross terms come back imaginary). zg goes through
+// the forward passes and its spectrum stays in this pipeline's table; zv through the forward passes, the product
+// and the inverse passes. Each pipeline has its own planes and table: N <= 8192.
+struct GradParams {
+  const __nv_bfloat16* dy;
+  const __nv_bfloat16* postgate;
+  const __nv_bfloat16* u;
+  const __nv_bfloat16* pregate;
+  float* dk_part;  // (H, pairs, taps)
+  int B, H, L, taps, chunks;
+  bool vec;
+};
+
+template <int N>
+struct GradShape {
+  static constexpr int kTablesBytes = kPipes * 4 * N;          // each pipeline's kept spectrum
+  static constexpr int kTwiddleOffset = TcShape<N>::kSpectrumOffset + kTablesBytes;
+  static constexpr int kScratchOffset = kTwiddleOffset + 2 * 256 * 8;
+  static constexpr int kSmemBytes = kScratchOffset + kPipes * kPipeWarps * 2 * 4;
+};
+
+template <int N>
+__global__ void __launch_bounds__(kThreads, 1) tc_filter_grad_kernel(const GradParams q) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using Shape = TcShape<N>;
+  using Block = TcBlock<N>;
+  using Pass = Simt<N>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int h = blockIdx.x / q.chunks, chunk = blockIdx.x % q.chunks;
+  const int pairs = (q.B + 1) / 2;
+  const int per_chunk = (pairs + q.chunks - 1) / q.chunks;
+  const int first = chunk * per_chunk, last = min(pairs, first + per_chunk);
+  const int pipe = threadIdx.x / kPipeThreads;
+
+  Block blk;
+  blk.re = reinterpret_cast<__half*>(smem + pipe * 2 * Shape::kPlaneBytes);
+  blk.im = reinterpret_cast<__half*>(smem + pipe * 2 * Shape::kPlaneBytes + Shape::kPlaneBytes);
+  blk.spectrum = reinterpret_cast<uint32_t*>(smem + Shape::kSpectrumOffset + pipe * 4 * N);
+  float2* w256 = reinterpret_cast<float2*>(smem + GradShape<N>::kTwiddleOffset);
+  float2* w4096 = w256 + 256;
+  blk.w256 = w256;
+  blk.w4096 = w4096;
+  blk.scratch = reinterpret_cast<float*>(smem + GradShape<N>::kScratchOffset) + pipe * kPipeWarps * 2;
+  blk.tid = threadIdx.x % kPipeThreads;
+  blk.lane = threadIdx.x & 31;
+  blk.warp = blk.tid >> 5;
+  {
+    const int t = threadIdx.x & 255;
+    float s, c;
+    sincospif((float)t / (threadIdx.x < 256 ? 128.f : 2048.f), &s, &c);
+    (threadIdx.x < 256 ? w256 : w4096)[t] = make_float2(c, -s);
+  }
+  __syncthreads();
+
+  // g's and v's rows through the CUDA-core pass as its "u" and "pregate"
+  const TcParams pg{q.dy, q.postgate, nullptr, nullptr, nullptr, nullptr, q.B, q.H, q.L, q.chunks, false, q.vec, false};
+  const TcParams pv{q.u, q.pregate, nullptr, nullptr, nullptr, nullptr, q.B, q.H, q.L, q.chunks, false, q.vec, false};
+  const Dft16 dft(blk.lane);
+  auto reduce = [&](float2 m) { return blk.pipe_max(m, pipe); };
+  for (int pair = first + pipe; pair < last; pair += kPipes) {
+    const int b1 = 2 * pair;
+    const bool two = b1 + 1 < q.B;
+    const int64_t row1 = ((int64_t)b1 * q.H + h) * q.L, row2 = ((int64_t)(b1 + 1) * q.H + h) * q.L;
+    float sg, sv, unused;
+    Pass::template forward<true>(pg, row1, row2, two, blk.re, blk.im, blk.tid, reduce, sg, unused);
+    pipe_sync(pipe);
+    if (Shape::kA == 3) {
+      blk.template outer_pass<false>(dft);
+      pipe_sync(pipe);
+    }
+    blk.template block_pass<Product::kStore>(dft);
+    pipe_sync(pipe);
+    Pass::template forward<true>(pv, row1, row2, two, blk.re, blk.im, blk.tid, reduce, sv, unused);
+    pipe_sync(pipe);
+    if (Shape::kA == 3) {
+      blk.template outer_pass<false>(dft);
+      pipe_sync(pipe);
+    }
+    blk.template block_pass<Product::kConjugateStored>(dft);
+    pipe_sync(pipe);
+    if (Shape::kA == 3) {
+      blk.template outer_pass<true>(dft);
+      pipe_sync(pipe);
+    }
+    // unitary passes: Fu^H (Fu g conj(Fu v)) = IFFT(G conj V) / sqrt(N)
+    Pass::inverse_real(q.dk_part + ((int64_t)h * pairs + pair) * q.taps, q.taps, sqrtf((float)N) / (sg * sv), blk.re,
+                       blk.im, blk.tid);
+    pipe_sync(pipe);
+  }
+#endif
+}
+
+template <int N>
+cudaError_t launch_filter_grad(const TcFilterGradArgs& a, int num_sms, cudaStream_t stream) {
+  constexpr int kSmem = GradShape<N>::kSmemBytes;
+  auto kernel = tc_filter_grad_kernel<N>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) != cudaSuccess)
+    return cudaErrorInvalidConfiguration;
+  int resident = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, kSmem) != cudaSuccess ||
+      resident == 0)
+    return cudaErrorInvalidConfiguration;
+  const int pairs = (a.B + 1) / 2;
+  const int64_t wanted = ((int64_t)resident * num_sms + a.H - 1) / a.H;
+  const int chunks = (int)std::max<int64_t>(1, std::min<int64_t>((pairs + kPipes - 1) / kPipes, wanted));
+  auto aligned = [](const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const bool vec = a.L % 8 == 0 && aligned(a.dy) && aligned(a.postgate) && aligned(a.u) && aligned(a.pregate);
+  const GradParams q{static_cast<const __nv_bfloat16*>(a.dy), static_cast<const __nv_bfloat16*>(a.postgate),
+                     static_cast<const __nv_bfloat16*>(a.u), static_cast<const __nv_bfloat16*>(a.pregate), a.dk_part,
+                     a.B, a.H, a.L, a.taps, chunks, vec};
+  kernel<<<(unsigned)(a.H * chunks), kThreads, kSmem, stream>>>(q);
+  return cudaGetLastError();
 }
 
 template <int N>
@@ -332,6 +467,25 @@ bool tc_forward_takes(Dtype dtype, int M, int cc_major, int smem_optin) {
 cudaError_t launch_tc_forward(int M, const TcForwardArgs& args, int num_sms, cudaStream_t stream) {
   return with_tc_length(M, cudaErrorInvalidValue,
                         [&](auto n) { return launch_tc<decltype(n)::value>(args, num_sms, stream); });
+}
+
+bool tc_filter_grad_takes(Dtype dtype, int M, int cc_major, int smem_optin) {
+  if (dtype != Dtype::kBFloat16 || cc_major < 9) return false;
+  switch (M) {
+    case 1024: return GradShape<2048>::kSmemBytes <= smem_optin;
+    case 2048: return GradShape<4096>::kSmemBytes <= smem_optin;
+    case 4096: return GradShape<8192>::kSmemBytes <= smem_optin;
+    default: return false;
+  }
+}
+
+cudaError_t launch_tc_filter_grad(int M, const TcFilterGradArgs& args, int num_sms, cudaStream_t stream) {
+  switch (M) {
+    case 1024: return launch_filter_grad<2048>(args, num_sms, stream);
+    case 2048: return launch_filter_grad<4096>(args, num_sms, stream);
+    case 4096: return launch_filter_grad<8192>(args, num_sms, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace fftconv

@@ -160,10 +160,11 @@ struct Simt {
     }
   }
 
-  // The radix-r pass from the rows; each row's largest |v| through `reduce` (the pipeline's maxima) gives its scale
-  // s. The rows' values stay in registers between the maxima and the pass where they fit (up to 16 a row and
+  // The radix-r pass from the rows. Each row's largest |v|, through `reduce` (the pipeline's maxima), gives its
+  // scale s; with kSharedScale the pair's largest gives one scale for both (their parts are summed afterwards).
+  // The rows' values stay in registers between the maxima and the pass where they fit (up to 16 a row and
   // thread), else they are loaded again (from L1 or L2).
-  template <typename Reduce>
+  template <bool kSharedScale = false, typename Reduce>
   static __device__ void forward(const TcParams& p, int64_t row1, int64_t row2, bool two, __half* re, __half* im,
                                  int tid, Reduce&& reduce, float& s1, float& s2) {
     constexpr bool kHold = kChunks * kLive * kV <= 16;
@@ -173,8 +174,8 @@ struct Simt {
     for (int chunk = 0; chunk < kChunks; ++chunk)
       load_chunk(p, row1, row2, two, tid, chunk, a[kHold ? chunk : 0], b[kHold ? chunk : 0], m);
     const float2 mx = reduce(m);
-    s1 = unit_scale(mx.x);
-    s2 = unit_scale(mx.y);
+    s1 = unit_scale(kSharedScale ? fmaxf(mx.x, mx.y) : mx.x);
+    s2 = unit_scale(kSharedScale ? fmaxf(mx.x, mx.y) : mx.y);
 #pragma unroll
     for (int chunk = 0; chunk < kChunks; ++chunk) {
       if (!kHold) load_chunk(p, row1, row2, two, tid, chunk, a[0], b[0], m);
@@ -182,41 +183,47 @@ struct Simt {
     }
   }
 
-  // the inverse: x_q = W_N^{-jq} z_q, y_t = r^-1/2 sum_q x_q W_r^{-tq}; then the epilogue on both rows (D v
-  // came through the transforms: the spectrum is S + D)
+  // one chunk of the inverse: x_q = W_N^{-jq} z_q, y_t = r^-1/2 sum_q x_q W_r^{-tq}, times un1 (real parts) and
+  // un2 (imaginary parts)
+  static __device__ void inverse_chunk(int j0, float un1, float un2, const __half* re, const __half* im,
+                                       float (&o1)[kLive][kV], float (&o2)[kLive][kV]) {
+    const float norm = rsqrtf((float)kR);
+    __half zr[kR][kV], zi[kR][kV];
+#pragma unroll
+    for (int q = 0; q < kR; ++q) {
+      const int at = swz(j0 + q * kS0);
+      copy_halves<kV>(zr[q], re + at);
+      copy_halves<kV>(zi[q], im + at);
+    }
+#pragma unroll
+    for (int e = 0; e < kV; ++e) {
+      const float2 w1 = kR > 1 ? root(j0 + e, true) : make_float2(1.f, 0.f);
+      float2 x[kR];
+      float2 wq = make_float2(norm, 0.f);
+#pragma unroll
+      for (int q = 0; q < kR; ++q) {
+        x[q] = cmul(make_float2(__half2float(zr[q][e]), __half2float(zi[q][e])), wq);
+        wq = cmul(wq, w1);
+      }
+#pragma unroll
+      for (int t = 0; t < kLive; ++t) {
+        float2 y = x[0];
+#pragma unroll
+        for (int q = 1; q < kR; ++q) y = cadd(y, mulw8(x[q], -t * q * (8 / kR)));
+        o1[t][e] = y.x * un1;
+        o2[t][e] = y.y * un2;
+      }
+    }
+  }
+
+  // the inverse and the epilogue on both rows (D v came through the transforms: the spectrum is S + D)
   static __device__ void inverse(const TcParams& p, int64_t row1, int64_t row2, bool two, float un1, float un2,
                                  const __half* re, const __half* im, int tid) {
-    const float norm = rsqrtf((float)kR);
 #pragma unroll 1
     for (int chunk = 0; chunk < kChunks; ++chunk) {
       const int j0 = first_j(tid, chunk);
-      __half zr[kR][kV], zi[kR][kV];
-#pragma unroll
-      for (int q = 0; q < kR; ++q) {
-        const int at = swz(j0 + q * kS0);
-        copy_halves<kV>(zr[q], re + at);
-        copy_halves<kV>(zi[q], im + at);
-      }
       float o1[kLive][kV], o2[kLive][kV];
-#pragma unroll
-      for (int e = 0; e < kV; ++e) {
-        const float2 w1 = kR > 1 ? root(j0 + e, true) : make_float2(1.f, 0.f);
-        float2 x[kR];
-        float2 wq = make_float2(norm, 0.f);
-#pragma unroll
-        for (int q = 0; q < kR; ++q) {
-          x[q] = cmul(make_float2(__half2float(zr[q][e]), __half2float(zi[q][e])), wq);
-          wq = cmul(wq, w1);
-        }
-#pragma unroll
-        for (int t = 0; t < kLive; ++t) {
-          float2 y = x[0];
-#pragma unroll
-          for (int q = 1; q < kR; ++q) y = cadd(y, mulw8(x[q], -t * q * (8 / kR)));
-          o1[t][e] = y.x * un1;
-          o2[t][e] = y.y * un2;
-        }
-      }
+      inverse_chunk(j0, un1, un2, re, im, o1, o2);
 #pragma unroll
       for (int t = 0; t < kLive; ++t) {
         const int at = j0 + t * kS0;
@@ -235,6 +242,23 @@ struct Simt {
           }
           store_row<kV>(p.y, row, at, p.L, p.vec, y);
         }
+      }
+    }
+  }
+
+  // the inverse's real parts times `un` at positions below `taps`, into a float32 row (the filter gradient's share)
+  static __device__ void inverse_real(float* out, int taps, float un, const __half* re, const __half* im, int tid) {
+#pragma unroll 1
+    for (int chunk = 0; chunk < kChunks; ++chunk) {
+      const int j0 = first_j(tid, chunk);
+      float o1[kLive][kV], o2[kLive][kV];
+      inverse_chunk(j0, un, 0.f, re, im, o1, o2);
+#pragma unroll
+      for (int t = 0; t < kLive; ++t) {
+        const int at = j0 + t * kS0;
+#pragma unroll
+        for (int e = 0; e < kV; ++e)
+          if (at + e < taps) out[at + e] = o1[t][e];
       }
     }
   }
