@@ -69,18 +69,22 @@ struct TcForwardArgs {
 bool tc_forward_takes(Dtype dtype, int M, int cc_major, int smem_optin);
 cudaError_t launch_tc_forward(int M, const TcForwardArgs& args, int num_sms, cudaStream_t stream);
 
-// The filter's gradient on tensor cores (fftconv_tc.cu), bfloat16 rows, 1024 <= M <= 4096, without the activation
+// The filter's gradient on tensor cores (fftconv_tc.cu), bfloat16 rows, 1024 <= M <= 8192, without the activation
 // pass: dk_part[h, pair, j] = sum over the pair's rows b of sum_t g[b, h, t] v[b, h, t - j], j < taps, with
-// g = dy ⊙ postgate and v = u ⊙ pregate (either gate may be null); float32 (H, (B + 1) / 2, taps).
+// g = dy ⊙ postgate and v = u ⊙ pregate (either gate may be null); float32 (H, (B + 1) / 2, taps). At M = 8192 the
+// kernel keeps each pair's spectrum in `table`, tc_filter_grad_table_words(M, num_sms) 32-bit words of scratch.
 struct TcFilterGradArgs {
   const void* dy;
   const void* postgate;
   const void* u;
   const void* pregate;
   float* dk_part;
+  uint32_t* table;
+  int64_t table_words;
   int B, H, L, taps;
 };
 bool tc_filter_grad_takes(Dtype dtype, int M, int cc_major, int smem_optin);
+int64_t tc_filter_grad_table_words(int M, int num_sms);
 cudaError_t launch_tc_filter_grad(int M, const TcFilterGradArgs& args, int num_sms, cudaStream_t stream);
 
 // The backward (bem/kernels/fftconv/custom_ops.py has the formulas). Outputs that are null are not

@@ -242,8 +242,11 @@ std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, cons
     if (need_k && !need_c && tc_filter_grad_path(s.dtype, s.M, u.get_device())) {
       // the tensor-core filter gradient: a share per (h, pair of batch rows), summed here
       Tensor dk_part = at::empty({s.H, (s.B + 1) / 2, s.taps}, u.options().dtype(at::kFloat));
+      const int64_t words = fc::tc_filter_grad_table_words((int)s.M, sms);
+      Tensor table = at::empty({std::max<int64_t>(words, 1)}, u.options().dtype(at::kInt));
       const fc::TcFilterGradArgs tc{grad_y.data_ptr(), ptr(postgate), u.data_ptr(), ptr(pregate),
-                                    dk_part.data_ptr<float>(), (int)s.B, (int)s.H, (int)s.L, (int)s.taps};
+                                    dk_part.data_ptr<float>(), reinterpret_cast<uint32_t*>(table.data_ptr()), words,
+                                    (int)s.B, (int)s.H, (int)s.L, (int)s.taps};
       C10_CUDA_CHECK(fc::launch_tc_filter_grad((int)s.M, tc, sms, stream_now()));
       dk = dk_of(dk_part.sum(1), k);
     } else if (need_k) {

@@ -57,7 +57,7 @@ inline bool tc_path(const fc::Dtype dtype, int64_t M, int device) {
   return !(off != nullptr && std::string(off) == "0") && fc::tc_forward_takes(dtype, (int)M, cc_major(device), shared_memory_optin(device));
 }
 
-// The filter's gradient on tensor cores: bfloat16 rows of 1024 <= M <= 4096 (the same switch as the forward's)
+// The filter's gradient on tensor cores: bfloat16 rows of 1024 <= M <= 8192 (the same switch as the forward's)
 inline bool tc_filter_grad_path(const fc::Dtype dtype, int64_t M, int device) {
   const char* off = std::getenv("BEM_FFTCONV_TENSOR_CORES");
   return !(off != nullptr && std::string(off) == "0") &&

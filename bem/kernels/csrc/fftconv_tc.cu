@@ -314,20 +314,24 @@ __global__ void __launch_bounds__(kThreads, 1) tc_forward_kernel(const TcParams 
 // a share per (h, pair of batch rows): with zg = s (g1 + i g2) and zv = s' (v1 + i v2), one scale a pair each,
 // Re IFFT(Zg conj(Zv)) = s s' (corr(g1, v1) + corr(g2, v2)) (the cross terms come back imaginary). zg goes through
 // the forward passes and its spectrum stays in this pipeline's table; zv through the forward passes, the product
-// and the inverse passes. Each pipeline has its own planes and table: N <= 8192.
+// and the inverse passes. Each pipeline has its own planes and table: the table in shared memory up to N = 8192, in
+// global memory (L2) at 16384, where two pipelines' planes and tables would take 256 KB. The blocks loop over the
+// (head, chunk of pairs) items, so that the global tables are one per resident block.
 struct GradParams {
   const __nv_bfloat16* dy;
   const __nv_bfloat16* postgate;
   const __nv_bfloat16* u;
   const __nv_bfloat16* pregate;
-  float* dk_part;  // (H, pairs, taps)
+  float* dk_part;   // (H, pairs, taps)
+  uint32_t* table;  // N = 16384: gridDim.x * kPipes tables of N words
   int B, H, L, taps, chunks;
   bool vec;
 };
 
 template <int N>
 struct GradShape {
-  static constexpr int kTablesBytes = kPipes * 4 * N;          // each pipeline's kept spectrum
+  static constexpr bool kGlobalTable = N > 8192;
+  static constexpr int kTablesBytes = kGlobalTable ? 0 : kPipes * 4 * N;  // each pipeline's kept spectrum
   static constexpr int kTwiddleOffset = TcShape<N>::kSpectrumOffset + kTablesBytes;
   static constexpr int kScratchOffset = kTwiddleOffset + 2 * 256 * 8;
   static constexpr int kSmemBytes = kScratchOffset + kPipes * kPipeWarps * 2 * 4;
@@ -340,16 +344,15 @@ __global__ void __launch_bounds__(kThreads, 1) tc_filter_grad_kernel(const GradP
   using Block = TcBlock<N>;
   using Pass = Simt<N>;
   extern __shared__ __align__(16) unsigned char smem[];
-  const int h = blockIdx.x / q.chunks, chunk = blockIdx.x % q.chunks;
   const int pairs = (q.B + 1) / 2;
   const int per_chunk = (pairs + q.chunks - 1) / q.chunks;
-  const int first = chunk * per_chunk, last = min(pairs, first + per_chunk);
   const int pipe = threadIdx.x / kPipeThreads;
 
   Block blk;
   blk.re = reinterpret_cast<__half*>(smem + pipe * 2 * Shape::kPlaneBytes);
   blk.im = reinterpret_cast<__half*>(smem + pipe * 2 * Shape::kPlaneBytes + Shape::kPlaneBytes);
-  blk.spectrum = reinterpret_cast<uint32_t*>(smem + Shape::kSpectrumOffset + pipe * 4 * N);
+  blk.spectrum = GradShape<N>::kGlobalTable ? q.table + ((int64_t)blockIdx.x * kPipes + pipe) * N
+                                            : reinterpret_cast<uint32_t*>(smem + Shape::kSpectrumOffset + pipe * 4 * N);
   float2* w256 = reinterpret_cast<float2*>(smem + GradShape<N>::kTwiddleOffset);
   float2* w4096 = w256 + 256;
   blk.w256 = w256;
@@ -366,17 +369,22 @@ __global__ void __launch_bounds__(kThreads, 1) tc_filter_grad_kernel(const GradP
   }
   __syncthreads();
 
-  // g's and v's rows through the CUDA-core pass as its "u" and "pregate"
-  const TcParams pg{q.dy, q.postgate, nullptr, nullptr, nullptr, nullptr, q.B, q.H, q.L, q.chunks, false, q.vec, false};
-  const TcParams pv{q.u, q.pregate, nullptr, nullptr, nullptr, nullptr, q.B, q.H, q.L, q.chunks, false, q.vec, false};
+  // g's and v's rows through the CUDA-core pass as its "u" and "pregate" (built where used: kept alive across the
+  // loop, their fields took registers)
+  auto rows = [&](const __nv_bfloat16* a, const __nv_bfloat16* gate) {
+    return TcParams{a, gate, nullptr, nullptr, nullptr, nullptr, q.B, q.H, q.L, q.chunks, false, q.vec, false};
+  };
   const Dft16 dft(blk.lane);
   auto reduce = [&](float2 m) { return blk.pipe_max(m, pipe); };
+  for (int item = blockIdx.x; item < q.H * q.chunks; item += gridDim.x) {
+  const int h = item / q.chunks, chunk = item % q.chunks;
+  const int first = chunk * per_chunk, last = min(pairs, first + per_chunk);
   for (int pair = first + pipe; pair < last; pair += kPipes) {
     const int b1 = 2 * pair;
     const bool two = b1 + 1 < q.B;
     const int64_t row1 = ((int64_t)b1 * q.H + h) * q.L, row2 = ((int64_t)(b1 + 1) * q.H + h) * q.L;
     float sg, sv, unused;
-    Pass::template forward<true>(pg, row1, row2, two, blk.re, blk.im, blk.tid, reduce, sg, unused);
+    Pass::template forward<true>(rows(q.dy, q.postgate), row1, row2, two, blk.re, blk.im, blk.tid, reduce, sg, unused);
     pipe_sync(pipe);
     if (Shape::kA == 3) {
       blk.template outer_pass<false>(dft);
@@ -384,7 +392,7 @@ __global__ void __launch_bounds__(kThreads, 1) tc_filter_grad_kernel(const GradP
     }
     blk.template block_pass<Product::kStore>(dft);
     pipe_sync(pipe);
-    Pass::template forward<true>(pv, row1, row2, two, blk.re, blk.im, blk.tid, reduce, sv, unused);
+    Pass::template forward<true>(rows(q.u, q.pregate), row1, row2, two, blk.re, blk.im, blk.tid, reduce, sv, unused);
     pipe_sync(pipe);
     if (Shape::kA == 3) {
       blk.template outer_pass<false>(dft);
@@ -401,6 +409,7 @@ __global__ void __launch_bounds__(kThreads, 1) tc_filter_grad_kernel(const GradP
                        blk.im, blk.tid);
     pipe_sync(pipe);
   }
+  }
 #endif
 }
 
@@ -415,15 +424,30 @@ cudaError_t launch_filter_grad(const TcFilterGradArgs& a, int num_sms, cudaStrea
       resident == 0)
     return cudaErrorInvalidConfiguration;
   const int pairs = (a.B + 1) / 2;
-  const int64_t wanted = ((int64_t)resident * num_sms + a.H - 1) / a.H;
+  const int64_t full = (int64_t)resident * num_sms;
+  const int64_t wanted = (full + a.H - 1) / a.H;
   const int chunks = (int)std::max<int64_t>(1, std::min<int64_t>((pairs + kPipes - 1) / kPipes, wanted));
+  const int grid = (int)std::min<int64_t>((int64_t)a.H * chunks, full);
+  if (GradShape<N>::kGlobalTable && (a.table == nullptr || a.table_words < (int64_t)grid * kPipes * N))
+    return cudaErrorInvalidValue;
   auto aligned = [](const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   const bool vec = a.L % 8 == 0 && aligned(a.dy) && aligned(a.postgate) && aligned(a.u) && aligned(a.pregate);
   const GradParams q{static_cast<const __nv_bfloat16*>(a.dy), static_cast<const __nv_bfloat16*>(a.postgate),
                      static_cast<const __nv_bfloat16*>(a.u), static_cast<const __nv_bfloat16*>(a.pregate), a.dk_part,
-                     a.B, a.H, a.L, a.taps, chunks, vec};
-  kernel<<<(unsigned)(a.H * chunks), kThreads, kSmem, stream>>>(q);
+                     a.table, a.B, a.H, a.L, a.taps, chunks, vec};
+  kernel<<<(unsigned)grid, kThreads, kSmem, stream>>>(q);
   return cudaGetLastError();
+}
+
+template <int N>
+int64_t filter_grad_table_words(int num_sms) {
+  if (!GradShape<N>::kGlobalTable) return 0;
+  constexpr int kSmem = GradShape<N>::kSmemBytes;
+  auto kernel = tc_filter_grad_kernel<N>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) != cudaSuccess) return 0;
+  int resident = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, kSmem) != cudaSuccess) return 0;
+  return (int64_t)resident * num_sms * kPipes * N;
 }
 
 template <int N>
@@ -475,8 +499,13 @@ bool tc_filter_grad_takes(Dtype dtype, int M, int cc_major, int smem_optin) {
     case 1024: return GradShape<2048>::kSmemBytes <= smem_optin;
     case 2048: return GradShape<4096>::kSmemBytes <= smem_optin;
     case 4096: return GradShape<8192>::kSmemBytes <= smem_optin;
+    case 8192: return GradShape<16384>::kSmemBytes <= smem_optin;
     default: return false;
   }
+}
+
+int64_t tc_filter_grad_table_words(int M, int num_sms) {
+  return M == 8192 ? filter_grad_table_words<16384>(num_sms) : 0;
 }
 
 cudaError_t launch_tc_filter_grad(int M, const TcFilterGradArgs& args, int num_sms, cudaStream_t stream) {
@@ -484,6 +513,7 @@ cudaError_t launch_tc_filter_grad(int M, const TcFilterGradArgs& args, int num_s
     case 1024: return launch_filter_grad<2048>(args, num_sms, stream);
     case 2048: return launch_filter_grad<4096>(args, num_sms, stream);
     case 4096: return launch_filter_grad<8192>(args, num_sms, stream);
+    case 8192: return launch_filter_grad<16384>(args, num_sms, stream);
     default: return cudaErrorInvalidValue;
   }
 }
