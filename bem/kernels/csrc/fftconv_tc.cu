@@ -415,14 +415,8 @@ __global__ void __launch_bounds__(kThreads, 1) tc_filter_grad_kernel(const GradP
 
 template <int N>
 cudaError_t launch_filter_grad(const TcFilterGradArgs& a, int num_sms, cudaStream_t stream) {
-  constexpr int kSmem = GradShape<N>::kSmemBytes;
-  auto kernel = tc_filter_grad_kernel<N>;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) != cudaSuccess)
-    return cudaErrorInvalidConfiguration;
-  int resident = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, kSmem) != cudaSuccess ||
-      resident == 0)
-    return cudaErrorInvalidConfiguration;
+  const int resident = resident_blocks(tc_filter_grad_kernel<N>, kThreads, GradShape<N>::kSmemBytes);
+  if (resident == 0) return cudaErrorInvalidConfiguration;
   const int pairs = (a.B + 1) / 2;
   const int64_t full = (int64_t)resident * num_sms;
   const int64_t wanted = (full + a.H - 1) / a.H;
@@ -435,19 +429,14 @@ cudaError_t launch_filter_grad(const TcFilterGradArgs& a, int num_sms, cudaStrea
   const GradParams q{static_cast<const __nv_bfloat16*>(a.dy), static_cast<const __nv_bfloat16*>(a.postgate),
                      static_cast<const __nv_bfloat16*>(a.u), static_cast<const __nv_bfloat16*>(a.pregate), a.dk_part,
                      a.table, a.B, a.H, a.L, a.taps, chunks, vec};
-  kernel<<<(unsigned)grid, kThreads, kSmem, stream>>>(q);
+  tc_filter_grad_kernel<N><<<(unsigned)grid, kThreads, GradShape<N>::kSmemBytes, stream>>>(q);
   return cudaGetLastError();
 }
 
 template <int N>
 int64_t filter_grad_table_words(int num_sms) {
   if (!GradShape<N>::kGlobalTable) return 0;
-  constexpr int kSmem = GradShape<N>::kSmemBytes;
-  auto kernel = tc_filter_grad_kernel<N>;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) != cudaSuccess) return 0;
-  int resident = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, kSmem) != cudaSuccess) return 0;
-  return (int64_t)resident * num_sms * kPipes * N;
+  return (int64_t)resident_blocks(tc_filter_grad_kernel<N>, kThreads, GradShape<N>::kSmemBytes) * num_sms * kPipes * N;
 }
 
 template <int N>
