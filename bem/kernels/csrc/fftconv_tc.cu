@@ -484,27 +484,16 @@ cudaError_t launch_tc_forward(int M, const TcForwardArgs& args, int num_sms, cud
 
 bool tc_filter_grad_takes(Dtype dtype, int M, int cc_major, int smem_optin) {
   if (dtype != Dtype::kBFloat16 || cc_major < 9) return false;
-  switch (M) {
-    case 1024: return GradShape<2048>::kSmemBytes <= smem_optin;
-    case 2048: return GradShape<4096>::kSmemBytes <= smem_optin;
-    case 4096: return GradShape<8192>::kSmemBytes <= smem_optin;
-    case 8192: return GradShape<16384>::kSmemBytes <= smem_optin;
-    default: return false;
-  }
+  return with_tc_length(M, false, [&](auto n) { return GradShape<decltype(n)::value>::kSmemBytes <= smem_optin; });
 }
 
 int64_t tc_filter_grad_table_words(int M, int num_sms) {
-  return M == 8192 ? filter_grad_table_words<16384>(num_sms) : 0;
+  return with_tc_length(M, (int64_t)0, [&](auto n) { return filter_grad_table_words<decltype(n)::value>(num_sms); });
 }
 
 cudaError_t launch_tc_filter_grad(int M, const TcFilterGradArgs& args, int num_sms, cudaStream_t stream) {
-  switch (M) {
-    case 1024: return launch_filter_grad<2048>(args, num_sms, stream);
-    case 2048: return launch_filter_grad<4096>(args, num_sms, stream);
-    case 4096: return launch_filter_grad<8192>(args, num_sms, stream);
-    case 8192: return launch_filter_grad<16384>(args, num_sms, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return with_tc_length(M, cudaErrorInvalidValue,
+                        [&](auto n) { return launch_filter_grad<decltype(n)::value>(args, num_sms, stream); });
 }
 
 }  // namespace fftconv
