@@ -249,23 +249,30 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
   const int64_t M = x.size(0), N = U.size(0), K = x.size(1), r = V.size(1);
   const bool fits_decode = tensor_core_dtype(x) && M >= 1 && M <= kDecodeMaxTokens &&
                            (N + kDecodeTileN - 1) / kDecodeTileN <= kMaxDecodeTiles;
+  const Tensor* bias_ptr = bias.has_value() ? &*bias : nullptr;
+  // The decode kernels' operands, read by the automatic choice below and by the decode launches.
+  DecodeArgs args{};
+  args.X = x.data_ptr();
+  args.W = weight.data_ptr();
+  args.bias = bias_ptr ? bias_ptr->data_ptr() : nullptr;
+  args.V = V.data_ptr();
+  args.codes = codes.has_value() ? codes->data_ptr() : nullptr;
+  args.U = U.data_ptr();
+  args.M = (int)M;
+  args.N = (int)N;
+  args.K = (int)K;
+  args.r = (int)r;
+  args.scale = (float)scale;
+  args.w_transposed = !weight.is_contiguous();
+  const int cc = cc_major(x.get_device());
   if (mode == kAuto && fits_decode && M <= kDecodeAutoMaxTokens) {
     // A transposed weight (GPT-2's Conv1D) above the columns kernel's tokens takes the tiles kernel, at 2.4-3.0x
     // F.linear at 8 tokens (H100). Captured into a CUDA graph, where a second launch costs no host time, cuBLAS
     // after the update kernel instead (docs/kernels.md); eagerly the one launch's host time weighs more.
     // Where the tensor-core transposed-weight kernel takes the call, it does, captured or not.
-    DecodeArgs shape{};
-    shape.X = x.data_ptr();
-    shape.W = weight.data_ptr();
-    shape.V = V.data_ptr();
-    shape.M = (int)M;
-    shape.N = (int)N;
-    shape.K = (int)K;
-    shape.r = (int)r;
-    shape.w_transposed = !weight.is_contiguous();
-    const bool columns_mma = decode_columns_mma_fits(shape, cc_major(x.get_device()));
-    mode = M > kDecodeColumnsMaxTokens && shape.w_transposed && capturing_now() && !columns_mma ? kUpdateThenGemm
-                                                                                                 : kDecode;
+    mode = M > kDecodeColumnsMaxTokens && args.w_transposed && capturing_now() && !decode_columns_mma_fits(args, cc)
+               ? kUpdateThenGemm
+               : kDecode;
   } else if (mode == kAuto) {
     const GemmUpdateChoice choice = gemm_update_choice(x, weight, bias, V, U);
     mode = choice == GemmUpdateChoice::kInside      ? kGemmUpdate
@@ -276,31 +283,16 @@ std::tuple<Tensor, Tensor> linear_rows(const Tensor& x, const Tensor& weight, co
   BEM_CHECK(gemm_tile_n == 0 || gemm_tile_n == 128 || gemm_tile_n == 256,
             "gemm_tile_n must be 0 (chosen by shape), 128 or 256, got ", gemm_tile_n);
   if (!tensor_core_dtype(x) || M == 0) mode = kGemmThenUpdate;  // float/double: cuBLAS + simple kernels
-  const Tensor* bias_ptr = bias.has_value() ? &*bias : nullptr;
 
   if (mode == kDecode || mode == kDecodeTiles || mode == kDecodeRows || mode == kDecodeTma ||
       mode == kDecodeColumnsMma || mode == kDecodeColumns) {
     BEM_CHECK(fits_decode, "the decode kernel takes 1..", kDecodeMaxTokens,
                 " float16/bfloat16 tokens, got M = ", M, " of ", x.scalar_type());
-    DecodeArgs args{};
-    args.X = x.data_ptr();
-    args.W = weight.data_ptr();
-    args.bias = bias_ptr ? bias_ptr->data_ptr() : nullptr;
-    args.V = V.data_ptr();
-    args.codes = codes.has_value() ? codes->data_ptr() : nullptr;
-    args.U = U.data_ptr();
-    args.M = (int)M;
-    args.N = (int)N;
-    args.K = (int)K;
-    args.r = (int)r;
-    args.scale = (float)scale;
-    args.w_transposed = !weight.is_contiguous();
     // Only what this call needs: at decode sizes each allocation's host cost is comparable to the kernel.
     Tensor Y = at::empty({M, N}, x.options());
     Tensor P = need_p ? at::empty({M, r}, x.options().dtype(at::kFloat)) : Tensor();
     args.Y = Y.data_ptr();
     args.P = need_p ? P.data_ptr<float>() : nullptr;
-    const int cc = cc_major(x.get_device());
     const bool rows_fit = (mode == kDecodeRows || mode == kDecode) && decode_rows_fits(args, cc);
     if (mode == kDecodeRows) {
       BEM_CHECK(rows_fit, "the row-split decode kernel takes a row-major weight, 1..",
