@@ -109,13 +109,17 @@ def _grads_of_leaves(fn, operands, grad_y):
     return leaves, torch.autograd.grad(fn(*operands), leaves, grad_y)
 
 
-@pytest.mark.parametrize("B,H,L,pre,post,with_D", [(3, 5, 1000, False, False, True), (4, 2, 3000, False, True, True),
-                                                   (2, 768, 4096, False, False, False), (5, 3, 2000, True, True, True),
-                                                   (5, 3, 8192, False, True, True)])
-def test_backward_on_tensor_cores(B, H, L, pre, post, with_D):
+# (B, H, L, Lk, k's dtype, pre-gate, post-gate, D): one chunk of pairs a head (dk written by the kernel, in k's
+# dtype, zero past L where the filter is longer) and several (shares summed after); an odd B (a pair of one row)
+@pytest.mark.parametrize("B,H,L,Lk,k_dtype,pre,post,with_D", [
+    (3, 5, 1000, 1500, BF16, False, False, True), (4, 2, 3000, 700, torch.float32, False, True, True),
+    (6, 768, 4096, 4096, BF16, False, False, False), (5, 3, 2000, 2000, BF16, True, True, True),
+    (5, 3, 8192, 8192, torch.float32, False, True, True), (8, 4, 8192, 8192, BF16, False, False, True)])
+def test_backward_on_tensor_cores(B, H, L, Lk, k_dtype, pre, post, with_D):
     # the post-gate as a constant: its gradient would need the activation pass (c), which these kernels do not take
-    u, k, D, pregate, postgate = _operands(B, H, L, L, BF16, stable_seed("tc-bwd", B, H, L), gates=True, D=with_D,
-                                           requires_grad=True)
+    u, k, D, pregate, postgate = _operands(B, H, L, Lk, BF16, stable_seed("tc-bwd", B, H, L, Lk), gates=True,
+                                           D=with_D, requires_grad=True)
+    k = k.detach().to(k_dtype).requires_grad_()
     operands = [u, k, D, pregate if pre else None, postgate.detach() if post else None]
     grad_y = torch.randn(B, H, L, device="cuda", dtype=torch.float64).to(BF16)
     exact64 = [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in operands]
@@ -132,6 +136,8 @@ def test_backward_on_tensor_cores(B, H, L, pre, post, with_D):
     # the forward, and du where there is no pre-gate
     assert sum("tc_forward_kernel" in n for n in names) == (1 if pre else 2), sorted(set(names))
     assert sum("tc_filter_grad_kernel" in n for n in names) == 1, sorted(set(names))  # dk
+    if with_D:  # dD from the kernel that takes dk (without a pre-gate) or du's (with one), not a pass of its own
+        assert not any("dD_parts" in n for n in names), sorted(set(names))
     labels = [n for n, t in zip(("du", "dk", "dD", "dpregate"), operands) if t is not None and t.requires_grad]
     leaves = [t for t in operands if t is not None and t.requires_grad]
     for name, mine, theirs, exact, leaf in zip(labels, ours, pytorch, ref, leaves):

@@ -31,9 +31,11 @@ inline int64_t spectrum_length(int64_t L) {
   return M;
 }
 
-// S[h] = rfft(k[h, :taps], n = 2M); k: float32 (H, Lk) row-major, taps = min(Lk, L).
+// S[h] = rfft(k[h, :taps], n = 2M); k: (H, Lk) row-major of `dtype` (read as it is, in float32 arithmetic),
+// taps = min(Lk, L).
 struct SpectrumArgs {
-  const float* k;
+  const void* k;
+  Dtype dtype;
   float2* S;  // (H, M + 1)
   int H, Lk, taps;
 };
@@ -70,22 +72,34 @@ bool tc_forward_takes(Dtype dtype, int M, int cc_major, int smem_optin);
 cudaError_t launch_tc_forward(int M, const TcForwardArgs& args, int num_sms, cudaStream_t stream);
 
 // The filter's gradient on tensor cores (fftconv_tc.cu), bfloat16 rows, 1024 <= M <= 8192, without the activation
-// pass: dk_part[h, pair, j] = sum over the pair's rows b of sum_t g[b, h, t] v[b, h, t - j], j < taps, with
-// g = dy ⊙ postgate and v = u ⊙ pregate (either gate may be null); float32 (H, (B + 1) / 2, taps). At M = 8192 the
-// kernel keeps each pair's spectrum in `table`, tc_filter_grad_table_words(M, num_sms) 32-bit words of scratch.
+// pass: dk[h, j] = sum_b sum_t g[b, h, t] v[b, h, t - j], j < taps, with g = dy ⊙ postgate and v = u ⊙ pregate
+// (either gate may be null). The plan gives the chunks of a head's batch rows and the scratch the launch needs:
+// with one chunk the kernel writes dk itself ((H, Lk) of dk_dtype, zero past taps), else each chunk's share to
+// dk_part (float32 (H, chunks, taps)), summed by the caller. rows: plan.row_words floats; table: plan.table_words
+// 32-bit words (M = 8192). With dD_part (plan.dD_words floats, H rows) it also writes the shares of
+// dD = sum_b sum_t g v, summed by the caller over each row.
+struct TcFilterGradPlan {
+  int chunks = 0;
+  int grid = 0;  // 0: the kernel does not fit
+  int64_t table_words = 0, row_words = 0, dD_words = 0;
+};
 struct TcFilterGradArgs {
   const void* dy;
   const void* postgate;
   const void* u;
   const void* pregate;
+  void* dk;
   float* dk_part;
+  float* rows;
+  float* dD_part;
   uint32_t* table;
-  int64_t table_words;
-  int B, H, L, taps;
+  int B, H, L, Lk, taps;
+  Dtype dk_dtype;
 };
 bool tc_filter_grad_takes(Dtype dtype, int M, int cc_major, int smem_optin);
-int64_t tc_filter_grad_table_words(int M, int num_sms);
-cudaError_t launch_tc_filter_grad(int M, const TcFilterGradArgs& args, int num_sms, cudaStream_t stream);
+TcFilterGradPlan tc_filter_grad_plan(int M, int B, int H, int taps, int num_sms);
+cudaError_t launch_tc_filter_grad(int M, const TcFilterGradArgs& args, const TcFilterGradPlan& plan,
+                                  cudaStream_t stream);
 
 // The backward (bem/kernels/fftconv/custom_ops.py has the formulas). Outputs that are null are not
 // computed. Each item (h, group of rows_per_group batch rows) writes its share of dk to dk_part, float32

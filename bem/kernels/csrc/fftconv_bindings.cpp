@@ -68,10 +68,9 @@ Tensor compute_spectrum(const Tensor& k, int64_t taps, int64_t M) {
     return S;
   }
   if (block_path(M, k.get_device())) {
-    const Tensor k32 = k.scalar_type() == at::kFloat ? k : k.to(at::kFloat);
     Tensor S = at::empty({H, M + 1}, k.options().dtype(at::kComplexFloat));
     if (H == 0) return S;
-    const fc::SpectrumArgs args{k32.data_ptr<float>(), reinterpret_cast<float2*>(S.data_ptr()), (int)H,
+    const fc::SpectrumArgs args{k.data_ptr(), dtype_of(k, "k"), reinterpret_cast<float2*>(S.data_ptr()), (int)H,
                                 (int)k.size(1), (int)taps};
     C10_CUDA_CHECK(fc::launch_spectrum((int)M, args, num_sms(k.get_device()), stream_now()));
     return S;
@@ -198,14 +197,16 @@ std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, cons
     // the group).
     const bool inputs_wanted = need_u || need_pre || need_D;
     // Without the activation pass and the pre-gate, dv = corr(dy ⊙ postgate, k) + D ⊙ dy ⊙ postgate is du: the
-    // tensor-core kernel's correlation (bf16, 1024 <= M <= 8192) takes it; dD is then its own sum.
+    // tensor-core kernel's correlation (bf16, 1024 <= M <= 8192) takes it; dD is then its own sum, from the
+    // tensor-core filter gradient where that runs (it reads g and v anyway).
     const bool tc_inputs = need_u && !need_c && !pregate.has_value() && tc_path(s.dtype, s.M, u.get_device());
+    const bool tc_dk = need_k && !need_c && tc_filter_grad_path(s.dtype, s.M, u.get_device());
     if (tc_inputs) {
       const fc::TcForwardArgs tc{grad_y.data_ptr(), ptr(postgate), nullptr, reinterpret_cast<const float2*>(S.data_ptr()),
                                  D32.has_value() ? D32->data_ptr<float>() : nullptr, du.data_ptr(), (int)s.B, (int)s.H,
                                  (int)s.L, false, true};
       C10_CUDA_CHECK(fc::launch_tc_forward((int)s.M, tc, sms, stream_now()));
-      if (need_D) {
+      if (need_D && !tc_dk) {
         fc::RowsArgs r = rows_args(s, u, pregate, postgate, D32, gelu);
         r.dy = grad_y.data_ptr();
         dD = dD_sum(s, r, nullptr, 0, *D);
@@ -239,16 +240,24 @@ std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, cons
       args.du = args.dpregate = nullptr;
       args.dD_part = nullptr;
     }
-    if (need_k && !need_c && tc_filter_grad_path(s.dtype, s.M, u.get_device())) {
-      // the tensor-core filter gradient: a share per (h, pair of batch rows), summed here
-      Tensor dk_part = at::empty({s.H, (s.B + 1) / 2, s.taps}, u.options().dtype(at::kFloat));
-      const int64_t words = fc::tc_filter_grad_table_words((int)s.M, sms);
-      Tensor table = at::empty({std::max<int64_t>(words, 1)}, u.options().dtype(at::kInt));
+    if (tc_dk) {
+      // the tensor-core filter gradient: dk itself where a head's rows are one chunk, else a share per chunk
+      const fc::TcFilterGradPlan plan = fc::tc_filter_grad_plan((int)s.M, (int)s.B, (int)s.H, (int)s.taps, sms);
+      FFTCONV_CHECK(plan.grid > 0, "the tensor-core filter-gradient kernel does not fit this GPU");
+      const auto f32_options = u.options().dtype(at::kFloat);
+      Tensor table = at::empty({std::max<int64_t>(plan.table_words, 1)}, u.options().dtype(at::kInt));
+      Tensor rows = at::empty({plan.row_words}, f32_options);
+      Tensor dk_part = plan.chunks == 1 ? Tensor() : at::empty({s.H, plan.chunks, s.taps}, f32_options);
+      if (plan.chunks == 1) dk = at::empty_like(k);
+      const bool dD_here = need_D && !dD.defined();
+      Tensor dD_part = dD_here ? at::empty({s.H, plan.dD_words / std::max<int64_t>(s.H, 1)}, f32_options) : Tensor();
       const fc::TcFilterGradArgs tc{grad_y.data_ptr(), ptr(postgate), u.data_ptr(), ptr(pregate),
-                                    dk_part.data_ptr<float>(), reinterpret_cast<uint32_t*>(table.data_ptr()), words,
-                                    (int)s.B, (int)s.H, (int)s.L, (int)s.taps};
-      C10_CUDA_CHECK(fc::launch_tc_filter_grad((int)s.M, tc, sms, stream_now()));
-      dk = dk_of(dk_part.sum(1), k);
+                                    plan.chunks == 1 ? dk.data_ptr() : nullptr, f32(dk_part), f32(rows), f32(dD_part),
+                                    reinterpret_cast<uint32_t*>(table.data_ptr()), (int)s.B, (int)s.H, (int)s.L,
+                                    (int)s.Lk, (int)s.taps, dtype_of(k, "k")};
+      C10_CUDA_CHECK(fc::launch_tc_filter_grad((int)s.M, tc, plan, stream_now()));
+      if (plan.chunks != 1) dk = dk_of(dk_part.sum(1), k);
+      if (dD_here) dD = dD_part.sum(1).to(D->scalar_type());
     } else if (need_k) {
       args.pass = fc::BackwardPass::kFilter;
       // a block per (h, group of batch rows): as many groups as fill the GPU once, the groups' dk summed after

@@ -4,19 +4,23 @@
 namespace bem {
 namespace fftconv {
 
-template <int M>
-__global__ void __launch_bounds__(M / 32, Plan<M>::kMinBlocks) spectrum_kernel(const SpectrumParams p) {
+template <int M, typename T>
+__global__ void __launch_bounds__(M / 32, Plan<M>::kMinBlocks) spectrum_kernel(const SpectrumParams<T> p) {
   spectrum_body<M>(p);
 }
 
+// k read in its own dtype (a float32 copy of a bf16 filter cost a pass over it)
 cudaError_t launch_spectrum(int M, const SpectrumArgs& args, int num_sms, cudaStream_t stream) {
-  return with_spectrum_length(M, [&](auto m) {
-    constexpr int kM = decltype(m)::value;
-    const int resident = resident_blocks(spectrum_kernel<kM>, kM / 32, Plan<kM>::kSmemBytes);
-    if (resident == 0) return cudaErrorInvalidConfiguration;
-    const SpectrumParams p{args.k, args.S, args.H, args.Lk, args.taps};
-    spectrum_kernel<kM><<<grid_for(args.H, resident, num_sms), kM / 32, Plan<kM>::kSmemBytes, stream>>>(p);
-    return cudaGetLastError();
+  return with_dtype(args.dtype, [&](auto zero) {
+    using T = decltype(zero);
+    return with_spectrum_length(M, [&](auto m) {
+      constexpr int kM = decltype(m)::value;
+      const int resident = resident_blocks(spectrum_kernel<kM, T>, kM / 32, Plan<kM>::kSmemBytes);
+      if (resident == 0) return cudaErrorInvalidConfiguration;
+      const SpectrumParams<T> p{static_cast<const T*>(args.k), args.S, args.H, args.Lk, args.taps};
+      spectrum_kernel<kM, T><<<grid_for(args.H, resident, num_sms), kM / 32, Plan<kM>::kSmemBytes, stream>>>(p);
+      return cudaGetLastError();
+    });
   });
 }
 

@@ -283,19 +283,20 @@ struct CorrelationStore {
 // ---------------------------------------------------------------------------------------------------
 // the kernels' bodies (their __global__ wrappers: fftconv_forward.cuh, fftconv_backward.cuh, fftconv_dispatch.cu)
 
+template <typename T>
 struct SpectrumParams {
-  const float* k;
+  const T* k;
   float2* S;
   int H, Lk, taps;
 };
 
-template <int M>
-BEM_FFT_FN void spectrum_body(const SpectrumParams& p) {
+template <int M, typename T>
+BEM_FFT_FN void spectrum_body(const SpectrumParams<T>& p) {
   BEM_FFT_SHARED(smem);
   const BlockFft<M> fft(smem);
   fft.build_twiddles();
   for (int h = blockIdx.x; h < p.H; h += gridDim.x)
-    fft.forward(GatedLoad<float>{p.k + (int64_t)h * p.Lk, nullptr, p.taps}, SpectrumOp{nullptr, p.S + (int64_t)h * (M + 1)});
+    fft.forward(GatedLoad<T>{p.k + (int64_t)h * p.Lk, nullptr, p.taps}, SpectrumOp{nullptr, p.S + (int64_t)h * (M + 1)});
 }
 
 template <typename T>

@@ -311,20 +311,27 @@ __global__ void __launch_bounds__(kThreads, 1) tc_forward_kernel(const TcParams 
 }
 
 // The filter's gradient, dk[h, j] = sum_b sum_t g[b, h, t] v[b, h, t - j] (g = dy ⊙ postgate, v = u ⊙ pregate),
-// a share per (h, pair of batch rows): with zg = s (g1 + i g2) and zv = s' (v1 + i v2), one scale a pair each,
+// per (h, pair of batch rows): with zg = s (g1 + i g2) and zv = s' (v1 + i v2), one scale a pair each,
 // Re IFFT(Zg conj(Zv)) = s s' (corr(g1, v1) + corr(g2, v2)) (the cross terms come back imaginary). zg goes through
 // the forward passes and its spectrum stays in this pipeline's table; zv through the forward passes, the product
 // and the inverse passes. Each pipeline has its own planes and table: the table in shared memory up to N = 8192, in
 // global memory (L2) at 16384, where two pipelines' planes and tables would take 256 KB. The blocks loop over the
 // (head, chunk of pairs) items, so that the global tables are one per resident block.
+// Each pipeline adds its pairs' shares into its own float32 row (global, one per resident block and pipeline); at
+// the item's end the block sums its pipelines' rows into dk itself (one chunk a head) or into the chunk's share.
+// With dD_part, each warp also writes its share of dD = sum_b sum_t g v for each pair, summed directly (float32).
 struct GradParams {
   const __nv_bfloat16* dy;
   const __nv_bfloat16* postgate;
   const __nv_bfloat16* u;
   const __nv_bfloat16* pregate;
-  float* dk_part;   // (H, pairs, taps)
+  void* dk;         // (H, Lk) of dk_dtype, zero past taps: where a head is one chunk
+  float* dk_part;   // else (H, chunks, taps)
+  float* rows;      // gridDim.x * kPipes rows of taps
+  float* dD_part;   // (H, pairs, kPipeWarps) or null
   uint32_t* table;  // N = 16384: gridDim.x * kPipes tables of N words
-  int B, H, L, taps, chunks;
+  int B, H, L, Lk, taps, chunks;
+  Dtype dk_dtype;
   bool vec;
 };
 
@@ -336,6 +343,14 @@ struct GradShape {
   static constexpr int kScratchOffset = kTwiddleOffset + 2 * 256 * 8;
   static constexpr int kSmemBytes = kScratchOffset + kPipes * kPipeWarps * 2 * 4;
 };
+
+__device__ __forceinline__ void store_as(void* base, int64_t at, Dtype dtype, float v) {
+  switch (dtype) {
+    case Dtype::kFloat: static_cast<float*>(base)[at] = v; break;
+    case Dtype::kBFloat16: static_cast<__nv_bfloat16*>(base)[at] = __float2bfloat16_rn(v); break;
+    case Dtype::kHalf: static_cast<__half*>(base)[at] = __float2half_rn(v); break;
+  }
+}
 
 template <int N>
 __global__ void __launch_bounds__(kThreads, 1) tc_filter_grad_kernel(const GradParams q) {
@@ -376,6 +391,7 @@ __global__ void __launch_bounds__(kThreads, 1) tc_filter_grad_kernel(const GradP
   };
   const Dft16 dft(blk.lane);
   auto reduce = [&](float2 m) { return blk.pipe_max(m, pipe); };
+  float* const block_rows = q.rows + (int64_t)blockIdx.x * kPipes * q.taps;
   for (int item = blockIdx.x; item < q.H * q.chunks; item += gridDim.x) {
   const int h = item / q.chunks, chunk = item % q.chunks;
   const int first = chunk * per_chunk, last = min(pairs, first + per_chunk);
@@ -393,6 +409,12 @@ __global__ void __launch_bounds__(kThreads, 1) tc_filter_grad_kernel(const GradP
     blk.template block_pass<Product::kStore>(dft);
     pipe_sync(pipe);
     Pass::template forward<true>(rows(q.u, q.pregate), row1, row2, two, blk.re, blk.im, blk.tid, reduce, sv, unused);
+    if (q.dD_part != nullptr) {  // the rows were just read: from L2
+      float d = Pass::dot(rows(q.dy, q.postgate), rows(q.u, q.pregate), row1, row2, two, blk.tid);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+      if (blk.lane == 0) q.dD_part[((int64_t)h * pairs + pair) * kPipeWarps + blk.warp] = d;
+    }
     pipe_sync(pipe);
     if (Shape::kA == 3) {
       blk.template outer_pass<false>(dft);
@@ -405,38 +427,56 @@ __global__ void __launch_bounds__(kThreads, 1) tc_filter_grad_kernel(const GradP
       pipe_sync(pipe);
     }
     // unitary passes: Fu^H (Fu g conj(Fu v)) = IFFT(G conj V) / sqrt(N)
-    Pass::inverse_real(q.dk_part + ((int64_t)h * pairs + pair) * q.taps, q.taps, sqrtf((float)N) / (sg * sv), blk.re,
-                       blk.im, blk.tid);
+    Pass::inverse_real(block_rows + pipe * q.taps, q.taps, sqrtf((float)N) / (sg * sv), pair >= first + kPipes,
+                       blk.re, blk.im, blk.tid);
     pipe_sync(pipe);
   }
+  __syncthreads();  // both pipelines' rows written (and visible to the block)
+  const int used = max(0, min(kPipes, last - first));
+  const int width = q.dk != nullptr ? q.Lk : q.taps;
+  for (int j = threadIdx.x; j < width; j += kThreads) {
+    float v = 0.f;
+    if (j < q.taps)
+      for (int p = 0; p < used; ++p) v += block_rows[p * q.taps + j];
+    if (q.dk != nullptr)
+      store_as(q.dk, (int64_t)h * q.Lk + j, q.dk_dtype, v);
+    else
+      q.dk_part[((int64_t)h * q.chunks + chunk) * q.taps + j] = v;
+  }
+  __syncthreads();  // the rows are read before the next item writes them
   }
 #endif
 }
 
+// chunks of a head's pairs and blocks: one chunk a head unless the heads alone would not fill the GPU
 template <int N>
-cudaError_t launch_filter_grad(const TcFilterGradArgs& a, int num_sms, cudaStream_t stream) {
+TcFilterGradPlan filter_grad_plan(int B, int H, int taps, int num_sms) {
+  TcFilterGradPlan plan;
   const int resident = resident_blocks(tc_filter_grad_kernel<N>, kThreads, GradShape<N>::kSmemBytes);
-  if (resident == 0) return cudaErrorInvalidConfiguration;
-  const int pairs = (a.B + 1) / 2;
+  if (resident == 0 || H == 0) return plan;
+  const int pairs = (B + 1) / 2;
   const int64_t full = (int64_t)resident * num_sms;
-  const int64_t wanted = (full + a.H - 1) / a.H;
-  const int chunks = (int)std::max<int64_t>(1, std::min<int64_t>((pairs + kPipes - 1) / kPipes, wanted));
-  const int grid = (int)std::min<int64_t>((int64_t)a.H * chunks, full);
-  if (GradShape<N>::kGlobalTable && (a.table == nullptr || a.table_words < (int64_t)grid * kPipes * N))
+  const int64_t wanted = (full + H - 1) / H;
+  plan.chunks = (int)std::max<int64_t>(1, std::min<int64_t>((pairs + kPipes - 1) / kPipes, wanted));
+  plan.grid = (int)std::min<int64_t>((int64_t)H * plan.chunks, full);
+  plan.table_words = GradShape<N>::kGlobalTable ? (int64_t)plan.grid * kPipes * N : 0;
+  plan.row_words = (int64_t)plan.grid * kPipes * taps;
+  plan.dD_words = (int64_t)H * pairs * kPipeWarps;
+  return plan;
+}
+
+template <int N>
+cudaError_t launch_filter_grad(const TcFilterGradArgs& a, const TcFilterGradPlan& plan, cudaStream_t stream) {
+  if (plan.grid <= 0 || (GradShape<N>::kGlobalTable && a.table == nullptr) || a.rows == nullptr ||
+      (a.dk == nullptr) == (a.dk_part == nullptr) || (a.dk != nullptr && plan.chunks != 1))
     return cudaErrorInvalidValue;
   auto aligned = [](const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   const bool vec = a.L % 8 == 0 && aligned(a.dy) && aligned(a.postgate) && aligned(a.u) && aligned(a.pregate);
   const GradParams q{static_cast<const __nv_bfloat16*>(a.dy), static_cast<const __nv_bfloat16*>(a.postgate),
-                     static_cast<const __nv_bfloat16*>(a.u), static_cast<const __nv_bfloat16*>(a.pregate), a.dk_part,
-                     a.table, a.B, a.H, a.L, a.taps, chunks, vec};
-  tc_filter_grad_kernel<N><<<(unsigned)grid, kThreads, GradShape<N>::kSmemBytes, stream>>>(q);
+                     static_cast<const __nv_bfloat16*>(a.u), static_cast<const __nv_bfloat16*>(a.pregate), a.dk,
+                     a.dk_part, a.rows, a.dD_part, a.table, a.B, a.H, a.L, a.Lk, a.taps, plan.chunks, a.dk_dtype, vec};
+  tc_filter_grad_kernel<N><<<(unsigned)plan.grid, kThreads, GradShape<N>::kSmemBytes, stream>>>(q);
   return cudaGetLastError();
-}
-
-template <int N>
-int64_t filter_grad_table_words(int num_sms) {
-  if (!GradShape<N>::kGlobalTable) return 0;
-  return (int64_t)resident_blocks(tc_filter_grad_kernel<N>, kThreads, GradShape<N>::kSmemBytes) * num_sms * kPipes * N;
 }
 
 template <int N>
@@ -487,13 +527,15 @@ bool tc_filter_grad_takes(Dtype dtype, int M, int cc_major, int smem_optin) {
   return with_tc_length(M, false, [&](auto n) { return GradShape<decltype(n)::value>::kSmemBytes <= smem_optin; });
 }
 
-int64_t tc_filter_grad_table_words(int M, int num_sms) {
-  return with_tc_length(M, (int64_t)0, [&](auto n) { return filter_grad_table_words<decltype(n)::value>(num_sms); });
+TcFilterGradPlan tc_filter_grad_plan(int M, int B, int H, int taps, int num_sms) {
+  return with_tc_length(M, TcFilterGradPlan{},
+                        [&](auto n) { return filter_grad_plan<decltype(n)::value>(B, H, taps, num_sms); });
 }
 
-cudaError_t launch_tc_filter_grad(int M, const TcFilterGradArgs& args, int num_sms, cudaStream_t stream) {
+cudaError_t launch_tc_filter_grad(int M, const TcFilterGradArgs& args, const TcFilterGradPlan& plan,
+                                  cudaStream_t stream) {
   return with_tc_length(M, cudaErrorInvalidValue,
-                        [&](auto n) { return launch_filter_grad<decltype(n)::value>(args, num_sms, stream); });
+                        [&](auto n) { return launch_filter_grad<decltype(n)::value>(args, plan, stream); });
 }
 
 }  // namespace fftconv

@@ -246,8 +246,10 @@ struct Simt {
     }
   }
 
-  // the inverse's real parts times `un` at positions below `taps`, into a float32 row (the filter gradient's share)
-  static __device__ void inverse_real(float* out, int taps, float un, const __half* re, const __half* im, int tid) {
+  // the inverse's real parts times `un` at positions below `taps`, into a float32 row (the filter gradient's share),
+  // or added to it with `accumulate` (each thread reads back only what it wrote)
+  static __device__ void inverse_real(float* out, int taps, float un, bool accumulate, const __half* re,
+                                      const __half* im, int tid) {
 #pragma unroll 1
     for (int chunk = 0; chunk < kChunks; ++chunk) {
       const int j0 = first_j(tid, chunk);
@@ -258,9 +260,32 @@ struct Simt {
         const int at = j0 + t * kS0;
 #pragma unroll
         for (int e = 0; e < kV; ++e)
-          if (at + e < taps) out[at + e] = o1[t][e];
+          if (at + e < taps) out[at + e] = accumulate ? out[at + e] + o1[t][e] : o1[t][e];
       }
     }
+  }
+
+  // this thread's share of sum_t g_t v_t over the pair's rows (g and v each with its gate), in float32
+  static __device__ float dot(const TcParams& g, const TcParams& v, int64_t row1, int64_t row2, bool two, int tid) {
+    float acc = 0.f;
+#pragma unroll 1
+    for (int chunk = 0; chunk < kChunks; ++chunk) {
+#pragma unroll
+      for (int t = 0; t < kLive; ++t) {
+        const int at = first_j(tid, chunk) + t * kS0;
+        if (at >= g.L) break;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          if (r == 1 && !two) break;
+          float a[kV], b[kV];
+          load_gated<kV>(g, r == 0 ? row1 : row2, at, a);
+          load_gated<kV>(v, r == 0 ? row1 : row2, at, b);
+#pragma unroll
+          for (int e = 0; e < kV; ++e) acc = fmaf(a[e], b[e], acc);
+        }
+      }
+    }
+    return acc;
   }
 };
 

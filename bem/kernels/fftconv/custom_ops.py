@@ -145,6 +145,8 @@ def _setup(ctx, inputs, output) -> None:
     u, k, D, pregate, postgate, gelu, spectrum = inputs
     computed = output[1]
     ctx.mark_non_differentiable(computed)
+    # no zero gradient for that spectrum (a complex (H, M + 1) fill a step); an unused y comes as None
+    ctx.set_materialize_grads(False)
     # the backward reuses the filter's spectrum: the one given, or the one this forward computed (kept up to
     # MAX_KEPT_SPECTRUM; above, the backward computes it again rather than hold it between the passes)
     ctx.save_for_backward(u, k, D, pregate, postgate, spectrum if spectrum is not None or computed.numel() == 0
