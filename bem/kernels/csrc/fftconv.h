@@ -75,13 +75,12 @@ cudaError_t launch_tc_forward(int M, const TcForwardArgs& args, int num_sms, cud
 // pass: dk[h, j] = sum_b sum_t g[b, h, t] v[b, h, t - j], j < taps, with g = dy ⊙ postgate and v = u ⊙ pregate
 // (either gate may be null). The plan gives the chunks of a head's batch rows and the scratch the launch needs:
 // with one chunk the kernel writes dk itself ((H, Lk) of dk_dtype, zero past taps), else each chunk's share to
-// dk_part (float32 (H, chunks, taps)), summed by the caller. rows: plan.row_words floats; table: plan.table_words
-// 32-bit words (M = 8192). With dD_part (plan.dD_words floats, H rows) it also writes the shares of
+// dk_part (float32 (H, chunks, taps)), summed by the caller. table: plan.table_words 32-bit words (M = 8192). With dD_part (plan.dD_words floats, H rows) it also writes the shares of
 // dD = sum_b sum_t g v, summed by the caller over each row.
 struct TcFilterGradPlan {
   int chunks = 0;
   int grid = 0;  // 0: the kernel does not fit
-  int64_t table_words = 0, row_words = 0, dD_words = 0;
+  int64_t table_words = 0, dD_words = 0;
 };
 struct TcFilterGradArgs {
   const void* dy;
@@ -90,14 +89,13 @@ struct TcFilterGradArgs {
   const void* pregate;
   void* dk;
   float* dk_part;
-  float* rows;
   float* dD_part;
   uint32_t* table;
   int B, H, L, Lk, taps;
   Dtype dk_dtype;
 };
 bool tc_filter_grad_takes(Dtype dtype, int M, int cc_major, int smem_optin);
-TcFilterGradPlan tc_filter_grad_plan(int M, int B, int H, int taps, int num_sms);
+TcFilterGradPlan tc_filter_grad_plan(int M, int B, int H, int num_sms);
 cudaError_t launch_tc_filter_grad(int M, const TcFilterGradArgs& args, const TcFilterGradPlan& plan,
                                   cudaStream_t stream);
 

@@ -242,17 +242,16 @@ std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, cons
     }
     if (tc_dk) {
       // the tensor-core filter gradient: dk itself where a head's rows are one chunk, else a share per chunk
-      const fc::TcFilterGradPlan plan = fc::tc_filter_grad_plan((int)s.M, (int)s.B, (int)s.H, (int)s.taps, sms);
+      const fc::TcFilterGradPlan plan = fc::tc_filter_grad_plan((int)s.M, (int)s.B, (int)s.H, sms);
       FFTCONV_CHECK(plan.grid > 0, "the tensor-core filter-gradient kernel does not fit this GPU");
       const auto f32_options = u.options().dtype(at::kFloat);
       Tensor table = at::empty({std::max<int64_t>(plan.table_words, 1)}, u.options().dtype(at::kInt));
-      Tensor rows = at::empty({plan.row_words}, f32_options);
       Tensor dk_part = plan.chunks == 1 ? Tensor() : at::empty({s.H, plan.chunks, s.taps}, f32_options);
       if (plan.chunks == 1) dk = at::empty_like(k);
       const bool dD_here = need_D && !dD.defined();
       Tensor dD_part = dD_here ? at::empty({s.H, plan.dD_words / std::max<int64_t>(s.H, 1)}, f32_options) : Tensor();
       const fc::TcFilterGradArgs tc{grad_y.data_ptr(), ptr(postgate), u.data_ptr(), ptr(pregate),
-                                    plan.chunks == 1 ? dk.data_ptr() : nullptr, f32(dk_part), f32(rows), f32(dD_part),
+                                    plan.chunks == 1 ? dk.data_ptr() : nullptr, f32(dk_part), f32(dD_part),
                                     reinterpret_cast<uint32_t*>(table.data_ptr()), (int)s.B, (int)s.H, (int)s.L,
                                     (int)s.Lk, (int)s.taps, dtype_of(k, "k")};
       C10_CUDA_CHECK(fc::launch_tc_filter_grad((int)s.M, tc, plan, stream_now()));

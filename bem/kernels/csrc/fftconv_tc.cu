@@ -317,9 +317,9 @@ __global__ void __launch_bounds__(kThreads, 1) tc_forward_kernel(const TcParams 
 // and the inverse passes. Each pipeline has its own planes and table: the table in shared memory up to N = 8192, in
 // global memory (L2) at 16384, where two pipelines' planes and tables would take 256 KB. The blocks loop over the
 // (head, chunk of pairs) items, so that the global tables are one per resident block.
-// Each pipeline adds its pairs' shares into its own float32 row (global, one per resident block and pipeline); at
-// the item's end the block sums its pipelines' rows into dk itself (one chunk a head) or into the chunk's share.
-// With dD_part, each warp also writes its share of dD = sum_b sum_t g v for each pair, summed directly (float32).
+// Each pipeline adds its pairs' shares into its own float32 row in shared memory; at the item's end the block sums
+// its pipelines' rows into dk itself (one chunk a head) or into the chunk's share. With dD_part, each warp also
+// writes its share of dD = sum_b sum_t g v for each pair, the products taken as v's rows are read (float32).
 struct GradParams {
   const __nv_bfloat16* dy;
   const __nv_bfloat16* postgate;
@@ -327,7 +327,6 @@ struct GradParams {
   const __nv_bfloat16* pregate;
   void* dk;         // (H, Lk) of dk_dtype, zero past taps: where a head is one chunk
   float* dk_part;   // else (H, chunks, taps)
-  float* rows;      // gridDim.x * kPipes rows of taps
   float* dD_part;   // (H, pairs, kPipeWarps) or null
   uint32_t* table;  // N = 16384: gridDim.x * kPipes tables of N words
   int B, H, L, Lk, taps, chunks;
@@ -341,7 +340,8 @@ struct GradShape {
   static constexpr int kTablesBytes = kGlobalTable ? 0 : kPipes * 4 * N;  // each pipeline's kept spectrum
   static constexpr int kTwiddleOffset = TcShape<N>::kSpectrumOffset + kTablesBytes;
   static constexpr int kScratchOffset = kTwiddleOffset + 2 * 256 * 8;
-  static constexpr int kSmemBytes = kScratchOffset + kPipes * kPipeWarps * 2 * 4;
+  static constexpr int kRowsOffset = kScratchOffset + kPipes * kPipeWarps * 2 * 4;
+  static constexpr int kSmemBytes = kRowsOffset + kPipes * (N / 2) * 4;  // each pipeline's float32 row of dk (L <= N / 2)
 };
 
 __device__ __forceinline__ void store_as(void* base, int64_t at, Dtype dtype, float v) {
@@ -349,6 +349,22 @@ __device__ __forceinline__ void store_as(void* base, int64_t at, Dtype dtype, fl
     case Dtype::kFloat: static_cast<float*>(base)[at] = v; break;
     case Dtype::kBFloat16: static_cast<__nv_bfloat16*>(base)[at] = __float2bfloat16_rn(v); break;
     case Dtype::kHalf: static_cast<__half*>(base)[at] = __float2half_rn(v); break;
+  }
+}
+
+// the block's pipelines' rows of an item summed into dk (one chunk a head) or the chunk's share (its own function:
+// inlined, the values it keeps across the item's pairs took registers the passes needed)
+__device__ __noinline__ void combine_rows(const float* block_rows, int used, int taps, void* dk, Dtype dk_dtype, int Lk,
+                                          float* dk_part, int64_t at) {
+  const int width = dk != nullptr ? Lk : taps;
+  for (int j = threadIdx.x; j < width; j += kThreads) {
+    float v = 0.f;
+    if (j < taps)
+      for (int p = 0; p < used; ++p) v += block_rows[p * taps + j];
+    if (dk != nullptr)
+      store_as(dk, at * Lk + j, dk_dtype, v);
+    else
+      dk_part[at * taps + j] = v;
   }
 }
 
@@ -391,7 +407,7 @@ __global__ void __launch_bounds__(kThreads, 1) tc_filter_grad_kernel(const GradP
   };
   const Dft16 dft(blk.lane);
   auto reduce = [&](float2 m) { return blk.pipe_max(m, pipe); };
-  float* const block_rows = q.rows + (int64_t)blockIdx.x * kPipes * q.taps;
+  float* const block_rows = reinterpret_cast<float*>(smem + GradShape<N>::kRowsOffset);
   for (int item = blockIdx.x; item < q.H * q.chunks; item += gridDim.x) {
   const int h = item / q.chunks, chunk = item % q.chunks;
   const int first = chunk * per_chunk, last = min(pairs, first + per_chunk);
@@ -402,6 +418,12 @@ __global__ void __launch_bounds__(kThreads, 1) tc_filter_grad_kernel(const GradP
     float sg, sv, unused;
     Pass::template forward<true>(rows(q.dy, q.postgate), row1, row2, two, blk.re, blk.im, blk.tid, reduce, sg, unused);
     pipe_sync(pipe);
+    // v's rows into L2 while the tensor cores work (the forward kernel's prefetch; without it, the passes' loads
+    // from DRAM were the kernel's largest stall)
+    for (int r = 0; r < (two ? 2 : 1); ++r) {
+      prefetch_row_l2(q.u + (r == 0 ? row1 : row2), q.L, blk.tid, kPipeThreads);
+      if (q.pregate) prefetch_row_l2(q.pregate + (r == 0 ? row1 : row2), q.L, blk.tid, kPipeThreads);
+    }
     if (Shape::kA == 3) {
       blk.template outer_pass<false>(dft);
       pipe_sync(pipe);
@@ -409,13 +431,21 @@ __global__ void __launch_bounds__(kThreads, 1) tc_filter_grad_kernel(const GradP
     blk.template block_pass<Product::kStore>(dft);
     pipe_sync(pipe);
     Pass::template forward<true>(rows(q.u, q.pregate), row1, row2, two, blk.re, blk.im, blk.tid, reduce, sv, unused);
-    if (q.dD_part != nullptr) {  // the rows were just read: from L2
+    if (q.dD_part != nullptr) {  // the rows again, just read (L2)
       float d = Pass::dot(rows(q.dy, q.postgate), rows(q.u, q.pregate), row1, row2, two, blk.tid);
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
       if (blk.lane == 0) q.dD_part[((int64_t)h * pairs + pair) * kPipeWarps + blk.warp] = d;
     }
     pipe_sync(pipe);
+    if (pair + kPipes < last) {  // the next pair's g rows, likewise
+      const int b3 = b1 + 2 * kPipes;
+      for (int r = 0; r < (b3 + 1 < q.B ? 2 : 1); ++r) {
+        const int64_t row = ((int64_t)(b3 + r) * q.H + h) * q.L;
+        prefetch_row_l2(q.dy + row, q.L, blk.tid, kPipeThreads);
+        if (q.postgate) prefetch_row_l2(q.postgate + row, q.L, blk.tid, kPipeThreads);
+      }
+    }
     if (Shape::kA == 3) {
       blk.template outer_pass<false>(dft);
       pipe_sync(pipe);
@@ -432,17 +462,9 @@ __global__ void __launch_bounds__(kThreads, 1) tc_filter_grad_kernel(const GradP
     pipe_sync(pipe);
   }
   __syncthreads();  // both pipelines' rows written (and visible to the block)
-  const int used = max(0, min(kPipes, last - first));
-  const int width = q.dk != nullptr ? q.Lk : q.taps;
-  for (int j = threadIdx.x; j < width; j += kThreads) {
-    float v = 0.f;
-    if (j < q.taps)
-      for (int p = 0; p < used; ++p) v += block_rows[p * q.taps + j];
-    if (q.dk != nullptr)
-      store_as(q.dk, (int64_t)h * q.Lk + j, q.dk_dtype, v);
-    else
-      q.dk_part[((int64_t)h * q.chunks + chunk) * q.taps + j] = v;
-  }
+  // dk's row h, or the share (h, chunk)
+  combine_rows(block_rows, max(0, min(kPipes, last - first)), q.taps, q.dk, q.dk_dtype, q.Lk, q.dk_part,
+               q.dk != nullptr ? (int64_t)h : (int64_t)h * q.chunks + chunk);
   __syncthreads();  // the rows are read before the next item writes them
   }
 #endif
@@ -450,7 +472,7 @@ __global__ void __launch_bounds__(kThreads, 1) tc_filter_grad_kernel(const GradP
 
 // chunks of a head's pairs and blocks: one chunk a head unless the heads alone would not fill the GPU
 template <int N>
-TcFilterGradPlan filter_grad_plan(int B, int H, int taps, int num_sms) {
+TcFilterGradPlan filter_grad_plan(int B, int H, int num_sms) {
   TcFilterGradPlan plan;
   const int resident = resident_blocks(tc_filter_grad_kernel<N>, kThreads, GradShape<N>::kSmemBytes);
   if (resident == 0 || H == 0) return plan;
@@ -460,21 +482,20 @@ TcFilterGradPlan filter_grad_plan(int B, int H, int taps, int num_sms) {
   plan.chunks = (int)std::max<int64_t>(1, std::min<int64_t>((pairs + kPipes - 1) / kPipes, wanted));
   plan.grid = (int)std::min<int64_t>((int64_t)H * plan.chunks, full);
   plan.table_words = GradShape<N>::kGlobalTable ? (int64_t)plan.grid * kPipes * N : 0;
-  plan.row_words = (int64_t)plan.grid * kPipes * taps;
   plan.dD_words = (int64_t)H * pairs * kPipeWarps;
   return plan;
 }
 
 template <int N>
 cudaError_t launch_filter_grad(const TcFilterGradArgs& a, const TcFilterGradPlan& plan, cudaStream_t stream) {
-  if (plan.grid <= 0 || (GradShape<N>::kGlobalTable && a.table == nullptr) || a.rows == nullptr ||
+  if (plan.grid <= 0 || (GradShape<N>::kGlobalTable && a.table == nullptr) ||
       (a.dk == nullptr) == (a.dk_part == nullptr) || (a.dk != nullptr && plan.chunks != 1))
     return cudaErrorInvalidValue;
   auto aligned = [](const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   const bool vec = a.L % 8 == 0 && aligned(a.dy) && aligned(a.postgate) && aligned(a.u) && aligned(a.pregate);
   const GradParams q{static_cast<const __nv_bfloat16*>(a.dy), static_cast<const __nv_bfloat16*>(a.postgate),
                      static_cast<const __nv_bfloat16*>(a.u), static_cast<const __nv_bfloat16*>(a.pregate), a.dk,
-                     a.dk_part, a.rows, a.dD_part, a.table, a.B, a.H, a.L, a.Lk, a.taps, plan.chunks, a.dk_dtype, vec};
+                     a.dk_part, a.dD_part, a.table, a.B, a.H, a.L, a.Lk, a.taps, plan.chunks, a.dk_dtype, vec};
   tc_filter_grad_kernel<N><<<(unsigned)plan.grid, kThreads, GradShape<N>::kSmemBytes, stream>>>(q);
   return cudaGetLastError();
 }
@@ -527,9 +548,9 @@ bool tc_filter_grad_takes(Dtype dtype, int M, int cc_major, int smem_optin) {
   return with_tc_length(M, false, [&](auto n) { return GradShape<decltype(n)::value>::kSmemBytes <= smem_optin; });
 }
 
-TcFilterGradPlan tc_filter_grad_plan(int M, int B, int H, int taps, int num_sms) {
+TcFilterGradPlan tc_filter_grad_plan(int M, int B, int H, int num_sms) {
   return with_tc_length(M, TcFilterGradPlan{},
-                        [&](auto n) { return filter_grad_plan<decltype(n)::value>(B, H, taps, num_sms); });
+                        [&](auto n) { return filter_grad_plan<decltype(n)::value>(B, H, num_sms); });
 }
 
 cudaError_t launch_tc_filter_grad(int M, const TcFilterGradArgs& args, const TcFilterGradPlan& plan,

@@ -246,8 +246,8 @@ struct Simt {
     }
   }
 
-  // the inverse's real parts times `un` at positions below `taps`, into a float32 row (the filter gradient's share),
-  // or added to it with `accumulate` (each thread reads back only what it wrote)
+  // the inverse's real parts times `un` at positions below `taps`, into a float32 row (the filter gradient's share;
+  // shared memory), or added to it with `accumulate` (each thread reads back only what it wrote)
   static __device__ void inverse_real(float* out, int taps, float un, bool accumulate, const __half* re,
                                       const __half* im, int tid) {
 #pragma unroll 1
@@ -265,11 +265,39 @@ struct Simt {
     }
   }
 
-  // this thread's share of sum_t g_t v_t over the pair's rows (g and v each with its gate), in float32
+  // this thread's share of sum_t g_t v_t over the pair's rows (g and v each with its gate), in float32. Without
+  // gates and with 16-byte rows, every load of a chunk is issued before the products (a load a point in order, with
+  // its branches, left each warp waiting on one load at a time).
   static __device__ float dot(const TcParams& g, const TcParams& v, int64_t row1, int64_t row2, bool two, int tid) {
     float acc = 0.f;
+    const bool direct = kV == 8 && g.vec && v.vec && g.pregate == nullptr && v.pregate == nullptr;
 #pragma unroll 1
     for (int chunk = 0; chunk < kChunks; ++chunk) {
+      if (direct) {
+        uint4 gw[kLive][2], vw[kLive][2];
+#pragma unroll
+        for (int t = 0; t < kLive; ++t)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int at = first_j(tid, chunk) + t * kS0;
+            const bool in = at < g.L && (r == 0 || two);  // L a multiple of 8: the whole vector is inside
+            const int64_t row = r == 0 ? row1 : row2;
+            const uint4 zero = make_uint4(0, 0, 0, 0);
+            gw[t][r] = in ? *reinterpret_cast<const uint4*>(g.u + row + at) : zero;
+            vw[t][r] = in ? *reinterpret_cast<const uint4*>(v.u + row + at) : zero;
+          }
+#pragma unroll
+        for (int t = 0; t < kLive; ++t)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            float a[8], b[8];
+            unpack_bf16x8(gw[t][r], a);
+            unpack_bf16x8(vw[t][r], b);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc = fmaf(a[e], b[e], acc);
+          }
+        continue;
+      }
 #pragma unroll
       for (int t = 0; t < kLive; ++t) {
         const int at = first_j(tid, chunk) + t * kS0;
