@@ -110,17 +110,17 @@ def _grads_of_leaves(fn, operands, grad_y):
 
 
 # (B, H, L, Lk, k's dtype, pre-gate, post-gate, D): one chunk of pairs a head (dk written by the kernel, in k's
-# dtype, zero past L where the filter is longer) and several (shares summed after); an odd B (a pair of one row)
+# dtype, zero past L where the filter is longer) and several (shares summed after); an odd B (a pair of one row);
+# every gate with its gradient, the Hyena mixer's operands (a post-gate, D) among them
 @pytest.mark.parametrize("B,H,L,Lk,k_dtype,pre,post,with_D", [
     (3, 5, 1000, 1500, BF16, False, False, True), (4, 2, 3000, 700, torch.float32, False, True, True),
-    (6, 768, 4096, 4096, BF16, False, False, False), (5, 3, 2000, 2000, BF16, True, True, True),
-    (5, 3, 8192, 8192, torch.float32, False, True, True), (8, 4, 8192, 8192, BF16, False, False, True)])
+    (6, 768, 4096, 4096, BF16, False, True, True), (5, 3, 2000, 2000, BF16, True, True, True),
+    (5, 3, 8192, 8192, torch.float32, False, True, False), (8, 4, 8192, 8192, BF16, True, False, True)])
 def test_backward_on_tensor_cores(B, H, L, Lk, k_dtype, pre, post, with_D):
-    # the post-gate as a constant: its gradient would need the activation pass (c), which these kernels do not take
     u, k, D, pregate, postgate = _operands(B, H, L, Lk, BF16, stable_seed("tc-bwd", B, H, L, Lk), gates=True,
                                            D=with_D, requires_grad=True)
     k = k.detach().to(k_dtype).requires_grad_()
-    operands = [u, k, D, pregate if pre else None, postgate.detach() if post else None]
+    operands = [u, k, D, pregate if pre else None, postgate if post else None]
     grad_y = torch.randn(B, H, L, device="cuda", dtype=torch.float64).to(BF16)
     exact64 = [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in operands]
     _, ref = _grads_of_leaves(reference.fftconv_fft, exact64, grad_y.double())
@@ -133,15 +133,24 @@ def test_backward_on_tensor_cores(B, H, L, Lk, k_dtype, pre, post, with_D):
         _, ours = _grads_of_leaves(dispatch.fftconv, operands, grad_y)
 
     names = _cuda_kernels(run)
-    # the forward, and du where there is no pre-gate
-    assert sum("tc_forward_kernel" in n for n in names) == (1 if pre else 2), sorted(set(names))
-    assert sum("tc_filter_grad_kernel" in n for n in names) == 1, sorted(set(names))  # dk
-    if with_D:  # dD from the kernel that takes dk (without a pre-gate) or du's (with one), not a pass of its own
-        assert not any("dD_parts" in n for n in names), sorted(set(names))
-    labels = [n for n, t in zip(("du", "dk", "dD", "dpregate"), operands) if t is not None and t.requires_grad]
+    # the forward, du, dpregate and dpostgate each one launch of the tensor-core kernel; dk (and dD) another
+    assert sum("tc_forward_kernel" in n for n in names) == 2 + pre + post, sorted(set(names))
+    assert sum("tc_filter_grad_kernel" in n for n in names) == 1, sorted(set(names))
+    assert not any("backward_kernel" in n or "dD_parts" in n for n in names), sorted(set(names))
+    labels = [n for n, t in zip(("du", "dk", "dD", "dpregate", "dpostgate"), operands)
+              if t is not None and t.requires_grad]
     leaves = [t for t in operands if t is not None and t.requires_grad]
+    assert len(ours) == len(leaves)
     for name, mine, theirs, exact, leaf in zip(labels, ours, pytorch, ref, leaves):
         assert mine.dtype == leaf.dtype and mine.shape == leaf.shape, name
         err, torch_err = rel_err(mine, exact), rel_err(theirs, exact)
         floor = _dD_floor(operands, grad_y, False, exact) if name == "dD" else 0.0
         assert err <= bound(max(torch_err, floor), BF16), f"{name}: error {err:.3g}, PyTorch's {torch_err:.3g}"
+
+
+def test_backward_with_gelu_keeps_the_block_kernels():
+    # GELU's derivative needs the pre-activation's rows: the block kernels' activation pass
+    u, k, D, pregate, postgate = _operands(2, 3, 2000, 2000, BF16, seed=11, gates=True, requires_grad=True)
+    names = _cuda_kernels(lambda: torch.autograd.grad(dispatch.fftconv(u, k, D, pregate, postgate, gelu=True).sum(),
+                                                      (u, k, D, pregate, postgate)))
+    assert any("backward_kernel" in n for n in names) and not any("tc_filter_grad" in n for n in names), names

@@ -178,6 +178,46 @@ std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, cons
   const OptTensor D32 = float32(D);
   const int sms = num_sms(u.get_device());
   auto f32 = [](Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
+  if (tc_backward_takes(s.dtype, s.M, gelu, need_k, u.get_device())) {
+    // Every gradient from the tensor-core kernels, their operand slots filled from dy, u and the gates, with
+    // g = dy ⊙ postgate and v = u ⊙ pregate: dv = corr(g, k) + D g is the correlation with dy in u's slot and the
+    // post-gate in the pre-gate's; du = pregate ⊙ dv and dpregate = u ⊙ dv come through its post-gate slot;
+    // dpostgate = dy ⊙ (conv(v, k) + D v) is the forward with dy as its post-gate; dk and dD are the
+    // filter-gradient kernel's.
+    const auto* S2 = reinterpret_cast<const float2*>(S.data_ptr());
+    const float* Dp = D32.has_value() ? D32->data_ptr<float>() : nullptr;
+    auto transform = [&](const void* a, const void* pre, const void* post, Tensor& out, bool correlate) {
+      const fc::TcForwardArgs tc{a, pre, post, S2, Dp, out.data_ptr(), (int)s.B, (int)s.H, (int)s.L, false, correlate};
+      C10_CUDA_CHECK(fc::launch_tc_forward((int)s.M, tc, sms, stream_now()));
+    };
+    if (need_u) transform(grad_y.data_ptr(), ptr(postgate), ptr(pregate), du, true);
+    if (need_pre) transform(grad_y.data_ptr(), ptr(postgate), u.data_ptr(), dpre, true);
+    if (need_post) transform(u.data_ptr(), ptr(pregate), grad_y.data_ptr(), dpost, false);
+    if (need_k) {
+      // the tensor-core filter gradient: dk itself where a head's rows are one chunk, else a share per chunk
+      const fc::TcFilterGradPlan plan = fc::tc_filter_grad_plan((int)s.M, (int)s.B, (int)s.H, sms);
+      FFTCONV_CHECK(plan.grid > 0, "the tensor-core filter-gradient kernel does not fit this GPU");
+      const auto f32_options = u.options().dtype(at::kFloat);
+      Tensor table = at::empty({std::max<int64_t>(plan.table_words, 1)}, u.options().dtype(at::kInt));
+      Tensor dk_part = plan.chunks == 1 ? Tensor() : at::empty({s.H, plan.chunks, s.taps}, f32_options);
+      if (plan.chunks == 1) dk = at::empty_like(k);
+      const bool dD_here = need_D && !dD.defined();
+      Tensor dD_part = dD_here ? at::empty({s.H, plan.dD_words / std::max<int64_t>(s.H, 1)}, f32_options) : Tensor();
+      const fc::TcFilterGradArgs tc{grad_y.data_ptr(), ptr(postgate), u.data_ptr(), ptr(pregate),
+                                    plan.chunks == 1 ? dk.data_ptr() : nullptr, f32(dk_part), f32(dD_part),
+                                    reinterpret_cast<uint32_t*>(table.data_ptr()), (int)s.B, (int)s.H, (int)s.L,
+                                    (int)s.Lk, (int)s.taps, dtype_of(k, "k")};
+      C10_CUDA_CHECK(fc::launch_tc_filter_grad((int)s.M, tc, plan, stream_now()));
+      if (plan.chunks != 1) dk = dk_of(dk_part.sum(1), k);
+      if (dD_here) dD = dD_part.sum(1).to(D->scalar_type());
+    }
+    if (need_D && !dD.defined()) {
+      fc::RowsArgs r = rows_args(s, u, pregate, postgate, D32, false);
+      r.dy = grad_y.data_ptr();
+      dD = dD_sum(s, r, nullptr, 0, *D);
+    }
+    return {out(du), out(dk), out(dD), out(dpre), out(dpost)};
+  }
   if (block_path(s.M, u.get_device())) {
     fc::BackwardArgs args{};
     args.dy = grad_y.data_ptr();
@@ -196,22 +236,6 @@ std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, cons
     // gradients (one block per (b, h) row); dk (a block per (h, group of batch rows), summing G conj(V) over
     // the group).
     const bool inputs_wanted = need_u || need_pre || need_D;
-    // Without the activation pass and the pre-gate, dv = corr(dy ⊙ postgate, k) + D ⊙ dy ⊙ postgate is du: the
-    // tensor-core kernel's correlation (bf16, 1024 <= M <= 8192) takes it; dD is then its own sum, from the
-    // tensor-core filter gradient where that runs (it reads g and v anyway).
-    const bool tc_inputs = need_u && !need_c && !pregate.has_value() && tc_path(s.dtype, s.M, u.get_device());
-    const bool tc_dk = need_k && !need_c && tc_filter_grad_path(s.dtype, s.M, u.get_device());
-    if (tc_inputs) {
-      const fc::TcForwardArgs tc{grad_y.data_ptr(), ptr(postgate), nullptr, reinterpret_cast<const float2*>(S.data_ptr()),
-                                 D32.has_value() ? D32->data_ptr<float>() : nullptr, du.data_ptr(), (int)s.B, (int)s.H,
-                                 (int)s.L, false, true};
-      C10_CUDA_CHECK(fc::launch_tc_forward((int)s.M, tc, sms, stream_now()));
-      if (need_D && !tc_dk) {
-        fc::RowsArgs r = rows_args(s, u, pregate, postgate, D32, gelu);
-        r.dy = grad_y.data_ptr();
-        dD = dD_sum(s, r, nullptr, 0, *D);
-      }
-    }
     Tensor g_rows;
     if (need_c) {
       g_rows = at::empty({s.B, s.H, s.L}, u.options().dtype(at::kFloat));
@@ -225,7 +249,7 @@ std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, cons
       C10_CUDA_CHECK(fc::launch_backward(s.dtype, (int)s.M, args, blocks, stream_now()));
       args.dpostgate = nullptr;
     }
-    if (inputs_wanted && !tc_inputs) {
+    if (inputs_wanted) {
       args.pass = fc::BackwardPass::kInputs;
       args.groups = (int)s.B;
       args.rows_per_group = 1;
@@ -240,24 +264,7 @@ std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, cons
       args.du = args.dpregate = nullptr;
       args.dD_part = nullptr;
     }
-    if (tc_dk) {
-      // the tensor-core filter gradient: dk itself where a head's rows are one chunk, else a share per chunk
-      const fc::TcFilterGradPlan plan = fc::tc_filter_grad_plan((int)s.M, (int)s.B, (int)s.H, sms);
-      FFTCONV_CHECK(plan.grid > 0, "the tensor-core filter-gradient kernel does not fit this GPU");
-      const auto f32_options = u.options().dtype(at::kFloat);
-      Tensor table = at::empty({std::max<int64_t>(plan.table_words, 1)}, u.options().dtype(at::kInt));
-      Tensor dk_part = plan.chunks == 1 ? Tensor() : at::empty({s.H, plan.chunks, s.taps}, f32_options);
-      if (plan.chunks == 1) dk = at::empty_like(k);
-      const bool dD_here = need_D && !dD.defined();
-      Tensor dD_part = dD_here ? at::empty({s.H, plan.dD_words / std::max<int64_t>(s.H, 1)}, f32_options) : Tensor();
-      const fc::TcFilterGradArgs tc{grad_y.data_ptr(), ptr(postgate), u.data_ptr(), ptr(pregate),
-                                    plan.chunks == 1 ? dk.data_ptr() : nullptr, f32(dk_part), f32(dD_part),
-                                    reinterpret_cast<uint32_t*>(table.data_ptr()), (int)s.B, (int)s.H, (int)s.L,
-                                    (int)s.Lk, (int)s.taps, dtype_of(k, "k")};
-      C10_CUDA_CHECK(fc::launch_tc_filter_grad((int)s.M, tc, plan, stream_now()));
-      if (plan.chunks != 1) dk = dk_of(dk_part.sum(1), k);
-      if (dD_here) dD = dD_part.sum(1).to(D->scalar_type());
-    } else if (need_k) {
+    if (need_k) {
       args.pass = fc::BackwardPass::kFilter;
       // a block per (h, group of batch rows): as many groups as fill the GPU once, the groups' dk summed after
       const int full = fc::backward_blocks(s.dtype, (int)s.M, INT_MAX, sms, args.pass, need_c);

@@ -64,6 +64,12 @@ inline bool tc_filter_grad_path(const fc::Dtype dtype, int64_t M, int device) {
          fc::tc_filter_grad_takes(dtype, (int)M, cc_major(device), shared_memory_optin(device));
 }
 
+// The whole backward on tensor cores: no GELU (the activation's derivative would need c's rows), bf16 rows of
+// 1024 <= M <= 8192, and the filter-gradient kernel where dk is wanted
+inline bool tc_backward_takes(const fc::Dtype dtype, int64_t M, bool gelu, bool need_k, int device) {
+  return !gelu && tc_path(dtype, M, device) && (!need_k || tc_filter_grad_path(dtype, M, device));
+}
+
 inline const void* ptr(const OptTensor& t) { return t.has_value() ? t->data_ptr() : nullptr; }
 
 struct Shape {
