@@ -222,9 +222,17 @@ __global__ void __launch_bounds__(kThreads, 1) tc_forward_kernel(const TcParams 
   float* block_scratch = scratch + kPipes * kPipeWarps * 2;
   const int L = p.L;
   auto row_of = [&](int b) { return ((int64_t)b * p.H + h) * L; };
+  // rows b and b + 1 (the same row again where there is no b + 1) of this head into L2, one loop over both: a
+  // pair's rows lie H rows apart
+  auto prefetch_pair = [&](const __nv_bfloat16* base, int b) {
+    if (base == nullptr) return;
+    const __nv_bfloat16* r1 = base + row_of(b);
+    const __nv_bfloat16* r2 = b + 1 < p.B ? r1 + (int64_t)p.H * L : r1;
+    for (int i = blk.tid * 64; i < 2 * L; i += kPipeThreads * 64) prefetch_l2(i < L ? r1 + i : r2 + (i - L));
+  };
   if (first + pipe < last) {  // this pipeline's first pair into L2 while the spectrum is gathered
-    prefetch_row_l2(p.u + row_of(2 * (first + pipe)), 2 * (int64_t)L, blk.tid, kPipeThreads);
-    if (p.pregate) prefetch_row_l2(p.pregate + row_of(2 * (first + pipe)), 2 * (int64_t)L, blk.tid, kPipeThreads);
+    prefetch_pair(p.u, 2 * (first + pipe));
+    prefetch_pair(p.pregate, 2 * (first + pipe));
   }
 
   // twiddle tables and the head's spectrum, scaled into float16, in the block pass's fragment order
@@ -287,12 +295,10 @@ __global__ void __launch_bounds__(kThreads, 1) tc_forward_kernel(const TcParams 
                   s2);
     pipe_sync(pipe);
     // the postgate's rows the epilogue reads, and the next pair's inputs, into L2 while the tensor cores work
-    const int rows_here = two ? 2 : 1;
-    const int next = pair + kPipes < last ? min(2, p.B - 2 * (pair + kPipes)) : 0;
-    if (p.postgate) prefetch_row_l2(p.postgate + row1, (int64_t)rows_here * L, blk.tid, kPipeThreads);
-    if (next > 0) {
-      prefetch_row_l2(p.u + row_of(b1 + 2 * kPipes), (int64_t)next * L, blk.tid, kPipeThreads);
-      if (p.pregate) prefetch_row_l2(p.pregate + row_of(b1 + 2 * kPipes), (int64_t)next * L, blk.tid, kPipeThreads);
+    prefetch_pair(p.postgate, b1);
+    if (pair + kPipes < last) {
+      prefetch_pair(p.u, b1 + 2 * kPipes);
+      prefetch_pair(p.pregate, b1 + 2 * kPipes);
     }
     if (Shape::kA == 3) {
       blk.template outer_pass<false>(dft);
