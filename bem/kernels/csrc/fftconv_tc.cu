@@ -170,6 +170,22 @@ struct TcBlock {
     }
   }
 
+  // The passes between the CUDA-core ones: the outer forward pass (N = r 4096), the block pass, and, unless it
+  // keeps the spectrum (kStore), the outer inverse pass; each followed by the pipeline's barrier.
+  template <Product kMode>
+  __device__ void spectral_passes(const Dft16& w, int pipe) const {
+    if (kA == 3) {
+      outer_pass<false>(w);
+      pipe_sync(pipe);
+    }
+    block_pass<kMode>(w);
+    pipe_sync(pipe);
+    if (kMode != Product::kStore && kA == 3) {
+      outer_pass<true>(w);
+      pipe_sync(pipe);
+    }
+  }
+
   // the pipeline's largest |value| of two rows, each reduced over its 8 warps
   __device__ float2 pipe_max(float2 m, int pipe) const {
 #pragma unroll
@@ -300,16 +316,7 @@ __global__ void __launch_bounds__(kThreads, 1) tc_forward_kernel(const TcParams 
       prefetch_pair(p.u, b1 + 2 * kPipes);
       prefetch_pair(p.pregate, b1 + 2 * kPipes);
     }
-    if (Shape::kA == 3) {
-      blk.template outer_pass<false>(dft);
-      pipe_sync(pipe);
-    }
-    blk.template block_pass<Product::kFilter>(dft);
-    pipe_sync(pipe);
-    if (Shape::kA == 3) {
-      blk.template outer_pass<true>(dft);
-      pipe_sync(pipe);
-    }
+    blk.template spectral_passes<Product::kFilter>(dft, pipe);
     Pass::inverse(p, row1, row2, two, 1.f / (s1 * sk), 1.f / (s2 * sk), blk.re, blk.im, blk.tid);
     pipe_sync(pipe);  // the next pair's first pass overwrites the planes
   }
@@ -430,12 +437,7 @@ __global__ void __launch_bounds__(kThreads, 1) tc_filter_grad_kernel(const GradP
       prefetch_row_l2(q.u + (r == 0 ? row1 : row2), q.L, blk.tid, kPipeThreads);
       if (q.pregate) prefetch_row_l2(q.pregate + (r == 0 ? row1 : row2), q.L, blk.tid, kPipeThreads);
     }
-    if (Shape::kA == 3) {
-      blk.template outer_pass<false>(dft);
-      pipe_sync(pipe);
-    }
-    blk.template block_pass<Product::kStore>(dft);
-    pipe_sync(pipe);
+    blk.template spectral_passes<Product::kStore>(dft, pipe);
     Pass::template forward<true>(rows(q.u, q.pregate), row1, row2, two, blk.re, blk.im, blk.tid, reduce, sv, unused);
     if (q.dD_part != nullptr) {  // the rows again, just read (L2)
       float d = Pass::dot(rows(q.dy, q.postgate), rows(q.u, q.pregate), row1, row2, two, blk.tid);
@@ -452,16 +454,7 @@ __global__ void __launch_bounds__(kThreads, 1) tc_filter_grad_kernel(const GradP
         if (q.postgate) prefetch_row_l2(q.postgate + row, q.L, blk.tid, kPipeThreads);
       }
     }
-    if (Shape::kA == 3) {
-      blk.template outer_pass<false>(dft);
-      pipe_sync(pipe);
-    }
-    blk.template block_pass<Product::kConjugateStored>(dft);
-    pipe_sync(pipe);
-    if (Shape::kA == 3) {
-      blk.template outer_pass<true>(dft);
-      pipe_sync(pipe);
-    }
+    blk.template spectral_passes<Product::kConjugateStored>(dft, pipe);
     // unitary passes: Fu^H (Fu g conj(Fu v)) = IFFT(G conj V) / sqrt(N)
     Pass::inverse_real(block_rows + pipe * q.taps, q.taps, sqrtf((float)N) / (sg * sv), pair >= first + kPipes,
                        blk.re, blk.im, blk.tid);
