@@ -108,6 +108,15 @@ struct Simt {
 
   static __device__ int first_j(int tid, int chunk) { return (chunk * kPipeThreads + tid) * kV; }
 
+  // kV == 1 (N = 2048: one point a thread per stride): the rows move between global memory and the threads through
+  // the pipeline's planes, reused as float32 rows of N / 2, so that global memory sees 16-byte accesses of 8
+  // consecutive values (2-byte loads and stores of one value each had doubled the kernel's time with gates).
+  static constexpr bool kStaged = kV == 1;
+  static_assert(!kStaged || (kLive * kS0 == N / 2 && N / 2 * 2 == 8 * kPipeThreads), "the staged rows' split");
+  static __device__ int staged_row(int tid) { return tid / (kPipeThreads / 2); }
+  static __device__ int staged_at(int tid) { return (tid % (kPipeThreads / 2)) * 8; }
+  static __device__ float* staged(__half* re) { return reinterpret_cast<float*>(re); }  // re and im: N floats
+
   // W_N^{±j}
   static __device__ float2 root(int j, bool inverse) {
     float s, c;
@@ -164,15 +173,43 @@ struct Simt {
   // scale s; with kSharedScale the pair's largest gives one scale for both (their parts are summed afterwards).
   // The rows' values stay in registers between the maxima and the pass where they fit (up to 16 a row and
   // thread), else they are loaded again (from L1 or L2).
+  // the rows' values into the staged rows (zero past L and for an absent second row); the caller syncs the pipeline
+  static __device__ void stage_rows(const TcParams& p, int64_t row1, int64_t row2, bool two, __half* re, int tid) {
+    const int r = staged_row(tid), at = staged_at(tid);
+    float v[8];
+    if (r == 0 || two) {
+      load_gated<8>(p, r == 0 ? row1 : row2, at, v);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = 0.f;
+    }
+    float4* out = reinterpret_cast<float4*>(staged(re) + r * (N / 2) + at);
+    out[0] = make_float4(v[0], v[1], v[2], v[3]);
+    out[1] = make_float4(v[4], v[5], v[6], v[7]);
+  }
+
   template <bool kSharedScale = false, typename Reduce>
   static __device__ void forward(const TcParams& p, int64_t row1, int64_t row2, bool two, __half* re, __half* im,
                                  int tid, Reduce&& reduce, float& s1, float& s2) {
     constexpr bool kHold = kChunks * kLive * kV <= 16;
     float a[kHold ? kChunks : 1][kLive][kV], b[kHold ? kChunks : 1][kLive][kV];
     float2 m = make_float2(0.f, 0.f);
+    if constexpr (kStaged) {  // every thread reads its values before `reduce`'s barrier, the pass writes after it
+      stage_rows(p, row1, row2, two, re, tid);
+      pipe_sync(threadIdx.x / kPipeThreads);
+      const float* rows = staged(re);
 #pragma unroll
-    for (int chunk = 0; chunk < kChunks; ++chunk)
-      load_chunk(p, row1, row2, two, tid, chunk, a[kHold ? chunk : 0], b[kHold ? chunk : 0], m);
+      for (int t = 0; t < kLive; ++t) {
+        a[0][t][0] = rows[tid + t * kS0];
+        b[0][t][0] = rows[N / 2 + tid + t * kS0];
+        m.x = fmaxf(m.x, fabsf(a[0][t][0]));
+        m.y = fmaxf(m.y, fabsf(b[0][t][0]));
+      }
+    } else {
+#pragma unroll
+      for (int chunk = 0; chunk < kChunks; ++chunk)
+        load_chunk(p, row1, row2, two, tid, chunk, a[kHold ? chunk : 0], b[kHold ? chunk : 0], m);
+    }
     const float2 mx = reduce(m);
     s1 = unit_scale(kSharedScale ? fmaxf(mx.x, mx.y) : mx.x);
     s2 = unit_scale(kSharedScale ? fmaxf(mx.x, mx.y) : mx.y);
@@ -216,9 +253,42 @@ struct Simt {
     }
   }
 
+  // the epilogue on 8 consecutive outputs of one row
+  static __device__ void epilogue8(const TcParams& p, int64_t row, int at, float (&c)[8]) {
+    float post[8], y[8];
+    if (p.postgate) load_row<8>(p.postgate, row, at, p.L, p.vec, post);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float x = p.gelu ? gelu_f(c[e]) : c[e];
+      y[e] = p.postgate ? x * post[e] : x;
+    }
+    store_row<8>(p.y, row, at, p.L, p.vec, y);
+  }
+
   // the inverse and the epilogue on both rows (D v came through the transforms: the spectrum is S + D)
   static __device__ void inverse(const TcParams& p, int64_t row1, int64_t row2, bool two, float un1, float un2,
-                                 const __half* re, const __half* im, int tid) {
+                                 __half* re, const __half* im, int tid) {
+    if constexpr (kStaged) {  // the outputs through the staged rows, once every thread has read the planes
+      float o1[kLive][kV], o2[kLive][kV];
+      inverse_chunk(first_j(tid, 0), un1, un2, re, im, o1, o2);
+      const int pipe = threadIdx.x / kPipeThreads;
+      pipe_sync(pipe);
+      float* rows = staged(re);
+#pragma unroll
+      for (int t = 0; t < kLive; ++t) {
+        rows[tid + t * kS0] = o1[t][0];
+        rows[N / 2 + tid + t * kS0] = o2[t][0];
+      }
+      pipe_sync(pipe);
+      const int r = staged_row(tid), at = staged_at(tid);
+      if (at < p.L && (r == 0 || two)) {
+        const float4* in = reinterpret_cast<const float4*>(rows + r * (N / 2) + at);
+        const float4 c0 = in[0], c1 = in[1];
+        float c[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+        epilogue8(p, r == 0 ? row1 : row2, at, c);
+      }
+      return;
+    }
 #pragma unroll 1
     for (int chunk = 0; chunk < kChunks; ++chunk) {
       const int j0 = first_j(tid, chunk);
