@@ -75,12 +75,13 @@ cudaError_t launch_tc_forward(int M, const TcForwardArgs& args, int num_sms, cud
 // pass: dk[h, j] = sum_b sum_t g[b, h, t] v[b, h, t - j], j < taps, with g = dy ⊙ postgate and v = u ⊙ pregate
 // (either gate may be null). The plan gives the chunks of a head's batch rows and the scratch the launch needs:
 // with one chunk the kernel writes dk itself ((H, Lk) of dk_dtype, zero past taps), else each chunk's share to
-// dk_part (float32 (H, chunks, taps)), summed by the caller. table: plan.table_words 32-bit words (M = 8192). With dD_part (plan.dD_words floats, H rows) it also writes the shares of
-// dD = sum_b sum_t g v, summed by the caller over each row.
+// dk_part (float32 (H, chunks, taps)), summed by the caller. table: plan.table_words 32-bit words (M = 8192).
+// With dD_part (float32 (H, plan.dD_per_head)) it also writes the shares of dD = sum_b sum_t g v, summed by the
+// caller over each row.
 struct TcFilterGradPlan {
   int chunks = 0;
   int grid = 0;  // 0: the kernel does not fit
-  int64_t table_words = 0, dD_words = 0;
+  int64_t table_words = 0, dD_per_head = 0;
 };
 struct TcFilterGradArgs {
   const void* dy;

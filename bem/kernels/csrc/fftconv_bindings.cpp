@@ -201,17 +201,16 @@ std::vector<Tensor> fftconv_backward(const Tensor& grad_y, const Tensor& u, cons
       Tensor table = at::empty({std::max<int64_t>(plan.table_words, 1)}, u.options().dtype(at::kInt));
       Tensor dk_part = plan.chunks == 1 ? Tensor() : at::empty({s.H, plan.chunks, s.taps}, f32_options);
       if (plan.chunks == 1) dk = at::empty_like(k);
-      const bool dD_here = need_D && !dD.defined();
-      Tensor dD_part = dD_here ? at::empty({s.H, plan.dD_words / std::max<int64_t>(s.H, 1)}, f32_options) : Tensor();
+      Tensor dD_part = need_D ? at::empty({s.H, plan.dD_per_head}, f32_options) : Tensor();  // dD comes with dk
       const fc::TcFilterGradArgs tc{grad_y.data_ptr(), ptr(postgate), u.data_ptr(), ptr(pregate),
                                     plan.chunks == 1 ? dk.data_ptr() : nullptr, f32(dk_part), f32(dD_part),
                                     reinterpret_cast<uint32_t*>(table.data_ptr()), (int)s.B, (int)s.H, (int)s.L,
                                     (int)s.Lk, (int)s.taps, dtype_of(k, "k")};
       C10_CUDA_CHECK(fc::launch_tc_filter_grad((int)s.M, tc, plan, stream_now()));
       if (plan.chunks != 1) dk = dk_of(dk_part.sum(1), k);
-      if (dD_here) dD = dD_part.sum(1).to(D->scalar_type());
+      if (need_D) dD = dD_part.sum(1).to(D->scalar_type());
     }
-    if (need_D && !dD.defined()) {
+    if (need_D && !need_k) {
       fc::RowsArgs r = rows_args(s, u, pregate, postgate, D32, false);
       r.dy = grad_y.data_ptr();
       dD = dD_sum(s, r, nullptr, 0, *D);

@@ -50,17 +50,22 @@ inline bool tiled_path(int64_t M, int device) {
   return fc::tiled_length(M) && fc::tiled_rows_smem_bytes() <= shared_memory_optin(device);
 }
 
-// The tensor-core forward takes bfloat16 rows of 1024 <= M <= 8192 on compute capability 9.0 and later, unless
-// BEM_FFTCONV_TENSOR_CORES=0 (the benchmark's and the tests' way to time and check the block kernels beside it).
-inline bool tc_path(const fc::Dtype dtype, int64_t M, int device) {
-  const char* off = std::getenv("BEM_FFTCONV_TENSOR_CORES");  // read per call: a process may time both
-  return !(off != nullptr && std::string(off) == "0") && fc::tc_forward_takes(dtype, (int)M, cc_major(device), shared_memory_optin(device));
+// The tensor-core kernels unless BEM_FFTCONV_TENSOR_CORES=0 (the benchmark's and the tests' way to time and check
+// the block kernels beside them); read per call, so that one process may time both.
+inline bool tensor_cores_allowed() {
+  const char* off = std::getenv("BEM_FFTCONV_TENSOR_CORES");
+  return !(off != nullptr && std::string(off) == "0");
 }
 
-// The filter's gradient on tensor cores: bfloat16 rows of 1024 <= M <= 8192 (the same switch as the forward's)
+// The tensor-core forward takes bfloat16 rows of 1024 <= M <= 8192 on compute capability 9.0 and later.
+inline bool tc_path(const fc::Dtype dtype, int64_t M, int device) {
+  return tensor_cores_allowed() &&
+         fc::tc_forward_takes(dtype, (int)M, cc_major(device), shared_memory_optin(device));
+}
+
+// The filter's gradient on tensor cores: the same rows and lengths
 inline bool tc_filter_grad_path(const fc::Dtype dtype, int64_t M, int device) {
-  const char* off = std::getenv("BEM_FFTCONV_TENSOR_CORES");
-  return !(off != nullptr && std::string(off) == "0") &&
+  return tensor_cores_allowed() &&
          fc::tc_filter_grad_takes(dtype, (int)M, cc_major(device), shared_memory_optin(device));
 }
 

@@ -169,10 +169,6 @@ struct Simt {
     }
   }
 
-  // The radix-r pass from the rows. Each row's largest |v|, through `reduce` (the pipeline's maxima), gives its
-  // scale s; with kSharedScale the pair's largest gives one scale for both (their parts are summed afterwards).
-  // The rows' values stay in registers between the maxima and the pass where they fit (up to 16 a row and
-  // thread), else they are loaded again (from L1 or L2).
   // the rows' values into the staged rows (zero past L and for an absent second row); the caller syncs the pipeline
   static __device__ void stage_rows(const TcParams& p, int64_t row1, int64_t row2, bool two, __half* re, int tid) {
     const int r = staged_row(tid), at = staged_at(tid);
@@ -188,6 +184,10 @@ struct Simt {
     out[1] = make_float4(v[4], v[5], v[6], v[7]);
   }
 
+  // The radix-r pass from the rows. Each row's largest |v|, through `reduce` (the pipeline's maxima), gives its
+  // scale s; with kSharedScale the pair's largest gives one scale for both (their parts are summed afterwards).
+  // The rows' values stay in registers between the maxima and the pass where they fit (up to 16 a row and
+  // thread), else they are loaded again (from L1 or L2).
   template <bool kSharedScale = false, typename Reduce>
   static __device__ void forward(const TcParams& p, int64_t row1, int64_t row2, bool two, __half* re, __half* im,
                                  int tid, Reduce&& reduce, float& s1, float& s2) {
@@ -253,16 +253,17 @@ struct Simt {
     }
   }
 
-  // the epilogue on 8 consecutive outputs of one row
-  static __device__ void epilogue8(const TcParams& p, int64_t row, int at, float (&c)[8]) {
-    float post[8], y[8];
-    if (p.postgate) load_row<8>(p.postgate, row, at, p.L, p.vec, post);
+  // the epilogue (GELU, the post-gate) on V consecutive outputs of one row, into y
+  template <int V>
+  static __device__ void epilogue(const TcParams& p, int64_t row, int at, const float (&c)[V]) {
+    float post[V], y[V];
+    if (p.postgate) load_row<V>(p.postgate, row, at, p.L, p.vec, post);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
+    for (int e = 0; e < V; ++e) {
       const float x = p.gelu ? gelu_f(c[e]) : c[e];
       y[e] = p.postgate ? x * post[e] : x;
     }
-    store_row<8>(p.y, row, at, p.L, p.vec, y);
+    store_row<V>(p.y, row, at, p.L, p.vec, y);
   }
 
   // the inverse and the epilogue on both rows (D v came through the transforms: the spectrum is S + D)
@@ -285,32 +286,23 @@ struct Simt {
         const float4* in = reinterpret_cast<const float4*>(rows + r * (N / 2) + at);
         const float4 c0 = in[0], c1 = in[1];
         float c[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-        epilogue8(p, r == 0 ? row1 : row2, at, c);
+        epilogue<8>(p, r == 0 ? row1 : row2, at, c);
       }
-      return;
-    }
+    } else {
 #pragma unroll 1
-    for (int chunk = 0; chunk < kChunks; ++chunk) {
-      const int j0 = first_j(tid, chunk);
-      float o1[kLive][kV], o2[kLive][kV];
-      inverse_chunk(j0, un1, un2, re, im, o1, o2);
+      for (int chunk = 0; chunk < kChunks; ++chunk) {
+        const int j0 = first_j(tid, chunk);
+        float o1[kLive][kV], o2[kLive][kV];
+        inverse_chunk(j0, un1, un2, re, im, o1, o2);
 #pragma unroll
-      for (int t = 0; t < kLive; ++t) {
-        const int at = j0 + t * kS0;
-        if (at >= p.L) break;
+        for (int t = 0; t < kLive; ++t) {
+          const int at = j0 + t * kS0;
+          if (at >= p.L) break;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          if (r == 1 && !two) break;
-          const int64_t row = r == 0 ? row1 : row2;
-          float post[kV], y[kV];
-          if (p.postgate) load_row<kV>(p.postgate, row, at, p.L, p.vec, post);
-#pragma unroll
-          for (int e = 0; e < kV; ++e) {
-            float c = r == 0 ? o1[t][e] : o2[t][e];
-            if (p.gelu) c = gelu_f(c);
-            y[e] = p.postgate ? c * post[e] : c;
+          for (int r = 0; r < 2; ++r) {
+            if (r == 1 && !two) break;
+            epilogue<kV>(p, r == 0 ? row1 : row2, at, r == 0 ? o1[t] : o2[t]);
           }
-          store_row<kV>(p.y, row, at, p.L, p.vec, y);
         }
       }
     }
