@@ -51,6 +51,14 @@ struct GradShape {
   static constexpr int kSmemBytes = kRowsOffset + kPipes * (N / 2) * 4;  // each pipeline's float32 row of dk (L <= N / 2)
 };
 
+// x, as a value the compiler cannot see through. Each CUDA-core pass takes its thread index through it, so that it
+// computes its own twiddles and addresses: otherwise the compiler kept the first pass's (about a hundred values)
+// live across the tensor-core passes for the second, and spilled them (476 bytes a thread at N = 16384, 36 at 8192).
+__device__ __forceinline__ int opaque(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
 __device__ __forceinline__ void store_as(void* base, int64_t at, Dtype dtype, float v) {
   switch (dtype) {
     case Dtype::kFloat: static_cast<float*>(base)[at] = v; break;
@@ -117,7 +125,8 @@ __global__ void __launch_bounds__(kThreads, 1) tc_filter_grad_kernel(const GradP
     const bool two = b1 + 1 < q.B;
     const int64_t row1 = ((int64_t)b1 * q.H + h) * q.L, row2 = ((int64_t)(b1 + 1) * q.H + h) * q.L;
     float sg, sv, unused;
-    Pass::template forward<true>(rows(q.dy, q.postgate), row1, row2, two, blk.re, blk.im, blk.tid, reduce, sg, unused);
+    Pass::template forward<true>(rows(q.dy, q.postgate), row1, row2, two, blk.re, blk.im, opaque(blk.tid), reduce, sg,
+                                 unused);
     pipe_sync(pipe);
     // v's rows into L2 while the tensor cores work (the forward kernel's prefetch; without it, the passes' loads
     // from DRAM were the kernel's largest stall)
@@ -126,7 +135,8 @@ __global__ void __launch_bounds__(kThreads, 1) tc_filter_grad_kernel(const GradP
       if (q.pregate) prefetch_row_l2(q.pregate + (r == 0 ? row1 : row2), q.L, blk.tid, kPipeThreads);
     }
     blk.template spectral_passes<Product::kStore>(dft, pipe);
-    Pass::template forward<true>(rows(q.u, q.pregate), row1, row2, two, blk.re, blk.im, blk.tid, reduce, sv, unused);
+    Pass::template forward<true>(rows(q.u, q.pregate), row1, row2, two, blk.re, blk.im, opaque(blk.tid), reduce, sv,
+                                 unused);
     if (q.dD_part != nullptr) {  // the rows again, just read (L2)
       float d = Pass::dot(rows(q.dy, q.postgate), rows(q.u, q.pregate), row1, row2, two, blk.tid);
 #pragma unroll
