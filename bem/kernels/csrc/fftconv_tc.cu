@@ -31,7 +31,7 @@ namespace {
 using namespace tc;  // fftconv_tc_block.cuh, fftconv_tc_plan.cuh, fftconv_tc_rows.cuh
 
 template <int N>
-__global__ void __launch_bounds__(kThreads, 1) tc_forward_kernel(const TcParams p) {
+__global__ void __launch_bounds__(kThreads, tc_min_blocks<N>()) tc_forward_kernel(const TcParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Shape = TcShape<N>;
   using Block = TcBlock<N>;

@@ -84,7 +84,7 @@ __device__ __noinline__ void combine_rows(const float* block_rows, int used, int
 }
 
 template <int N>
-__global__ void __launch_bounds__(kThreads, 1) tc_filter_grad_kernel(const GradParams q) {
+__global__ void __launch_bounds__(kThreads, tc_min_blocks<N>()) tc_filter_grad_kernel(const GradParams q) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using Shape = TcShape<N>;
   using Block = TcBlock<N>;
