@@ -125,8 +125,8 @@ __global__ void __launch_bounds__(kThreads, tc_min_blocks<N>()) tc_filter_grad_k
     const bool two = b1 + 1 < q.B;
     const int64_t row1 = ((int64_t)b1 * q.H + h) * q.L, row2 = ((int64_t)(b1 + 1) * q.H + h) * q.L;
     float sg, sv, unused;
-    Pass::template forward<true>(rows(q.dy, q.postgate), row1, row2, two, blk.re, blk.im, opaque(blk.tid), reduce, sg,
-                                 unused);
+    Pass::template forward<true, true>(rows(q.dy, q.postgate), row1, row2, two, blk.re, blk.im, opaque(blk.tid), reduce,
+                                       sg, unused);
     pipe_sync(pipe);
     // v's rows into L2 while the tensor cores work (the forward kernel's prefetch; without it, the passes' loads
     // from DRAM were the kernel's largest stall)
@@ -135,8 +135,8 @@ __global__ void __launch_bounds__(kThreads, tc_min_blocks<N>()) tc_filter_grad_k
       if (q.pregate) prefetch_row_l2(q.pregate + (r == 0 ? row1 : row2), q.L, blk.tid, kPipeThreads);
     }
     blk.template spectral_passes<Product::kStore>(dft, pipe);
-    Pass::template forward<true>(rows(q.u, q.pregate), row1, row2, two, blk.re, blk.im, opaque(blk.tid), reduce, sv,
-                                 unused);
+    Pass::template forward<true, true>(rows(q.u, q.pregate), row1, row2, two, blk.re, blk.im, opaque(blk.tid), reduce,
+                                       sv, unused);
     if (q.dD_part != nullptr) {  // the rows again, just read (L2)
       float d = Pass::dot(rows(q.dy, q.postgate), rows(q.u, q.pregate), row1, row2, two, blk.tid);
 #pragma unroll
