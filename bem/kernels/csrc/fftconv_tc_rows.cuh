@@ -195,6 +195,7 @@ struct Simt {
   static __device__ void forward(const TcParams& p, int64_t row1, int64_t row2, bool two, __half* re, __half* im,
                                  int tid, Reduce&& reduce, float& s1, float& s2) {
     constexpr bool kHold = kChunks * kLive * kV <= 16;
+    constexpr int kUnroll = kLooped && !kHold ? 1 : kChunks;  // held values are indexed by chunk: unrolled
     float a[kHold ? kChunks : 1][kLive][kV], b[kHold ? kChunks : 1][kLive][kV];
     float2 m = make_float2(0.f, 0.f);
     if constexpr (kStaged) {  // every thread reads its values before `reduce`'s barrier, the pass writes after it
@@ -208,29 +209,18 @@ struct Simt {
         m.x = fmaxf(m.x, fabsf(a[0][t][0]));
         m.y = fmaxf(m.y, fabsf(b[0][t][0]));
       }
-    } else if constexpr (kLooped && !kHold) {
-#pragma unroll 1
-      for (int chunk = 0; chunk < kChunks; ++chunk) load_chunk(p, row1, row2, two, tid, chunk, a[0], b[0], m);
     } else {
-#pragma unroll
+#pragma unroll kUnroll
       for (int chunk = 0; chunk < kChunks; ++chunk)
         load_chunk(p, row1, row2, two, tid, chunk, a[kHold ? chunk : 0], b[kHold ? chunk : 0], m);
     }
     const float2 mx = reduce(m);
     s1 = unit_scale(kSharedScale ? fmaxf(mx.x, mx.y) : mx.x);
     s2 = unit_scale(kSharedScale ? fmaxf(mx.x, mx.y) : mx.y);
-    if constexpr (kLooped && !kHold) {
-#pragma unroll 1
-      for (int chunk = 0; chunk < kChunks; ++chunk) {
-        load_chunk(p, row1, row2, two, tid, chunk, a[0], b[0], m);
-        transform_chunk(a[0], b[0], s1, s2, first_j(tid, chunk), re, im);
-      }
-    } else {
-#pragma unroll
-      for (int chunk = 0; chunk < kChunks; ++chunk) {
-        if (!kHold) load_chunk(p, row1, row2, two, tid, chunk, a[0], b[0], m);
-        transform_chunk(a[kHold ? chunk : 0], b[kHold ? chunk : 0], s1, s2, first_j(tid, chunk), re, im);
-      }
+#pragma unroll kUnroll
+    for (int chunk = 0; chunk < kChunks; ++chunk) {
+      if (!kHold) load_chunk(p, row1, row2, two, tid, chunk, a[0], b[0], m);
+      transform_chunk(a[kHold ? chunk : 0], b[kHold ? chunk : 0], s1, s2, first_j(tid, chunk), re, im);
     }
   }
 
