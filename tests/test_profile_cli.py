@@ -145,6 +145,23 @@ def test_noise_that_cannot_give_a_decode_time_is_undecided_not_a_crash(monkeypat
     assert report["undecided"] == ["decode b1"] and report["routing"] == []
 
 
+def test_each_setting_logs_its_ratio_as_it_is_measured(monkeypatch, tmp_path, capsys):
+    """A run cut off before its report is written still leaves each finished setting's ratio in the log."""
+    from bem.profiling import runner
+
+    def timed(runs, clock, warmup, rule, spread_of):  # BEM 10% slower than the base in every repeat
+        value = {"base": 2.0, "bem": 2.2, "lora": 3.0}
+        return {name: [1.0 if name.endswith(":first") else value.get(name, 0.5)] * 5 for name in runs}, "max_repeats"
+
+    monkeypatch.setattr(runner, "interleaved_until", timed)
+    path = _small_profile(tmp_path, train={"enabled": False})
+    main(["--config", str(path)])
+    err = capsys.readouterr().err
+    assert "5 repeats (max_repeats, " in err
+    assert "s): BEM over base +10.0% [+10.0, +10.0]" in err  # prefill: 2.2 / 2.0
+    assert "s): BEM over base +20.0% [+20.0, +20.0]" in err  # decode per token: (2.2 - 1) / (2.0 - 1)
+
+
 def test_compiled_decoding_is_a_gated_setting_of_its_own(tmp_path):
     """decode.compiled adds static-cache decoding with generate's compiled step (LoRA left out: tracing
     each model's step is what takes the time here)."""

@@ -15,6 +15,7 @@ from .report import REPORT_KIND, SCHEMA_VERSION, apply_gate, make_setting
 from .routing import capture_last_call, replay
 from .statistics import bem_spread
 from .stopping import StopRule
+from .table import with_interval
 from .timing import Clock, interleaved_until, median, warm_up_gpu
 from . import workloads
 
@@ -137,7 +138,9 @@ class Profiler:
                                gated=gated, confidence=self.config.timing.confidence,
                                stop_reason=stop_reason, seconds=seconds, problem=problem)
         self.settings.append(setting)
-        self.log(f"    {setting['repeats']} repeats ({stop_reason}, {seconds:.1f} s)")
+        # the ratio as soon as it is measured: a run cut off before its report is written keeps it in the log
+        overhead = with_interval(setting["bem_overhead"], setting["intervals"].get("bem_overhead"))
+        self.log(f"    {setting['repeats']} repeats ({stop_reason}, {seconds:.1f} s): BEM over base {overhead}")
         if "controller" in samples and setting["bem"] > 0 and setting["base"] > 0:
             controller_ms = median(samples["controller"])
             self.routing.append({
