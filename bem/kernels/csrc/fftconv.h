@@ -71,7 +71,7 @@ struct TcForwardArgs {
 bool tc_forward_takes(Dtype dtype, int M, int cc_major, int smem_optin);
 cudaError_t launch_tc_forward(int M, const TcForwardArgs& args, int num_sms, cudaStream_t stream);
 
-// The filter's gradient on tensor cores (fftconv_tc.cu), bfloat16 rows, 1024 <= M <= 8192, without the activation
+// The filter's gradient on tensor cores (fftconv_tc_filter_grad.cu), bfloat16 rows, 1024 <= M <= 8192, without the activation
 // pass: dk[h, j] = sum_b sum_t g[b, h, t] v[b, h, t - j], j < taps, with g = dy ⊙ postgate and v = u ⊙ pregate
 // (either gate may be null). The plan gives the chunks of a head's batch rows and the scratch the launch needs:
 // with one chunk the kernel writes dk itself ((H, Lk) of dk_dtype, zero past taps), else each chunk's share to

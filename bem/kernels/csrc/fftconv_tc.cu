@@ -44,18 +44,10 @@ __global__ void __launch_bounds__(kThreads, tc_min_blocks<N>()) tc_forward_kerne
   const int first = chunk * per_chunk, last = min(pairs, first + per_chunk);
   const int pipe = threadIdx.x / kPipeThreads;
 
-  Block blk;
-  blk.re = reinterpret_cast<__half*>(smem + pipe * 2 * Shape::kPlaneBytes);
-  blk.im = reinterpret_cast<__half*>(smem + pipe * 2 * Shape::kPlaneBytes + Shape::kPlaneBytes);
-  blk.spectrum = reinterpret_cast<uint32_t*>(smem + Shape::kSpectrumOffset);
   float2* tables = reinterpret_cast<float2*>(smem + Shape::kTablesOffset);
-  blk.w256 = tables;
-  blk.w4096 = tables + 256;
   float* scratch = reinterpret_cast<float*>(smem + Shape::kScratchOffset);
-  blk.scratch = scratch + pipe * kPipeWarps * 2;
-  blk.tid = threadIdx.x % kPipeThreads;
-  blk.lane = threadIdx.x & 31;
-  blk.warp = blk.tid >> 5;
+  Block blk = Block::place(smem, pipe, tables, scratch);
+  blk.spectrum = reinterpret_cast<uint32_t*>(smem + Shape::kSpectrumOffset);
   float* block_scratch = scratch + kPipes * kPipeWarps * 2;
   const int L = p.L;
   auto row_of = [&](int b) { return ((int64_t)b * p.H + h) * L; };

@@ -45,6 +45,22 @@ struct TcBlock {
   float* scratch;      // this pipeline's partial maxima
   int lane, warp, tid;
 
+  // this thread's pipeline `pipe` of a block: its planes at `smem` (each pipeline's real plane, then its imaginary
+  // one), the twiddle tables (W_256, then W_4096) and its pipeline's maxima in `scratch`; the caller sets
+  // `spectrum` (where it lives differs by kernel)
+  static __device__ TcBlock place(unsigned char* smem, int pipe, float2* tables, float* scratch) {
+    TcBlock blk;
+    blk.re = reinterpret_cast<__half*>(smem + pipe * 2 * Shape::kPlaneBytes);
+    blk.im = reinterpret_cast<__half*>(smem + pipe * 2 * Shape::kPlaneBytes + Shape::kPlaneBytes);
+    blk.w256 = tables;
+    blk.w4096 = tables + 256;
+    blk.scratch = scratch + pipe * kPipeWarps * 2;
+    blk.tid = threadIdx.x % kPipeThreads;
+    blk.lane = threadIdx.x & 31;
+    blk.warp = blk.tid >> 5;
+    return blk;
+  }
+
   // the twiddle tables w256 and w4096 point to (W_256 then W_4096 at `tables`, 256 each), written by the block's
   // first 512 threads (the caller syncs)
   static __device__ void build_twiddles(float2* tables) {

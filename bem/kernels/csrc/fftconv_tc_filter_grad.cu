@@ -94,18 +94,10 @@ __global__ void __launch_bounds__(kThreads, tc_min_blocks<N>()) tc_filter_grad_k
   const int per_chunk = (pairs + q.chunks - 1) / q.chunks;
   const int pipe = threadIdx.x / kPipeThreads;
 
-  Block blk;
-  blk.re = reinterpret_cast<__half*>(smem + pipe * 2 * Shape::kPlaneBytes);
-  blk.im = reinterpret_cast<__half*>(smem + pipe * 2 * Shape::kPlaneBytes + Shape::kPlaneBytes);
+  float2* tables = reinterpret_cast<float2*>(smem + GradShape<N>::kTwiddleOffset);
+  Block blk = Block::place(smem, pipe, tables, reinterpret_cast<float*>(smem + GradShape<N>::kScratchOffset));
   blk.spectrum = GradShape<N>::kGlobalTable ? q.table + ((int64_t)blockIdx.x * kPipes + pipe) * N
                                             : reinterpret_cast<uint32_t*>(smem + Shape::kSpectrumOffset + pipe * 4 * N);
-  float2* tables = reinterpret_cast<float2*>(smem + GradShape<N>::kTwiddleOffset);
-  blk.w256 = tables;
-  blk.w4096 = tables + 256;
-  blk.scratch = reinterpret_cast<float*>(smem + GradShape<N>::kScratchOffset) + pipe * kPipeWarps * 2;
-  blk.tid = threadIdx.x % kPipeThreads;
-  blk.lane = threadIdx.x & 31;
-  blk.warp = blk.tid >> 5;
   Block::build_twiddles(tables);
   __syncthreads();
 

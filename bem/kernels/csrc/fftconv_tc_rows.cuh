@@ -1,6 +1,6 @@
-// The tensor-core fftconv forward's CUDA-core passes (fftconv_tc.cu): the radix-r pass that reads the rows (with
-// the pre-gate, 16-byte loads where aligned) into the float16 planes, and its inverse with the epilogue (GELU, the
-// post-gate) into y.
+// The tensor-core fftconv kernels' CUDA-core passes (fftconv_tc.cu, fftconv_tc_filter_grad.cu): the radix-r pass
+// that reads the rows (with the pre-gate, 16-byte loads where aligned) into the float16 planes, its inverse with
+// the epilogue (GELU, the post-gate) into y, the filter gradient's real inverse into a row, and dD's dot product.
 #pragma once
 
 #include <cuda_bf16.h>
