@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import re
 import types
 import warnings
@@ -122,6 +123,9 @@ class BEMModel(nn.Module):
         plan = plan_targets(base_model, config)
         self.context = RoutingContext()
         self._pack: Optional[AdapterPack] = None  # made at the first generate: none kept without one
+        # generate's compiled step computes plain linears as one GEMM of [W; Vᵀ] (modules/joint_weights.py);
+        # BEM_JOINT_WEIGHTS=0 keeps the fused kernels there instead
+        self.joint_weights: bool = os.environ.get("BEM_JOINT_WEIGHTS", "1") != "0"
         for param in base_model.parameters():
             param.requires_grad_(False)
         self.bem_module_names: list[str] = plan.names
@@ -183,6 +187,8 @@ class BEMModel(nn.Module):
                 ops.kernels_available()
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "BEMModel":
+        if self._pack is not None and self._pack.joint_weights is not None:
+            self._pack.joint_weights.release()  # the weights move out of their joint buffers: hold none back
         moved = super()._apply(fn, *args, **kwargs)
         self._look_up_kernels()  # `.to("cuda")`, `.cuda()` reach here
         return moved
@@ -218,8 +224,8 @@ class BEMModel(nn.Module):
     def _adapter_pack(self) -> Optional[AdapterPack]:
         """The adapters in one buffer, up to date, for generate's compiled decoding step; None where they are not
         plain tensors of one dtype and device."""
-        if self._pack is None:
-            self._pack = AdapterPack([module for _, module in self.bem_modules()])
+        if self._pack is None or (self._pack.joint_weights is not None) != self.joint_weights:
+            self._pack = AdapterPack([module for _, module in self.bem_modules()], joint=self.joint_weights)
         return self._pack if self._pack.refresh() else None
 
     def __getattr__(self, name: str) -> Any:
@@ -404,6 +410,9 @@ class BEMModel(nn.Module):
 
     def _remove_bem(self, keep_trained_copies: bool) -> nn.Module:
         self._hooks.remove()
+        if self._pack is not None and self._pack.joint_weights is not None:
+            self._pack.joint_weights.unjoin()  # each weight back in a storage of its own size
+            self._pack = None
         for handle in self._mixer_handles:
             handle.remove()
         self._mixer_handles = []

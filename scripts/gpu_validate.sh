@@ -5,7 +5,7 @@
 #        [mixer-tests] [mixer-errors]
 #        [fftconv-bench] [mlstm-bench] [mlstm-tests] [training-tests] [sweep] [profile] [train] [train-sweep] [breakdown]
 #        [prefill-breakdown] [compiled-breakdown] [controller-profile] [host-cost] [host-cost-ranks] [gemm-tests] [decode-tests] [train-repeat-probe] [inference-tests] [eager-sweep] [compiled-sweep] [compiled-sweep-pack-off] [compiled-host] [warmup-probe]
-#        [tma-tests] [bench] [bench-shapes] [mode-sweep] [conv1d-sweep] [decode-split-sweep] [conv1d-split-sweep] [backward-sweep] [sass] [ncu] [cpu-tests]   (bench-shapes reads
+#        [decode-steps] [tma-tests] [bench] [bench-shapes] [mode-sweep] [conv1d-sweep] [decode-split-sweep] [conv1d-split-sweep] [backward-sweep] [sass] [ncu] [cpu-tests]   (bench-shapes reads
 #        BENCH_SHAPES, e.g. 1x4096x4096x8,...; the sweeps read SWEEP_SHAPES the same way, or sweep their
 #        default shapes; prefill-breakdown reads BREAKDOWN_MODEL: llama-1b or gpt2; sweep reads SWEEP_CONFIGS,
 #        comma-separated profile names, default all; train-sweep reads TRAIN_CONFIGS, space-separated;
@@ -21,6 +21,12 @@ if ls .whl/mlstm_kernels-*.whl >/dev/null 2>&1; then  # TFLA for the mLSTM bench
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/mlstm_site .whl/mlstm_kernels-*.whl \
     && export PYTHONPATH=/tmp/mlstm_site${PYTHONPATH:+:$PYTHONPATH}
 fi
+
+if [ -n "${NEWEST:-}" ] && ls .whl/transformers-*.whl >/dev/null 2>&1; then  # NEWEST=1: the carried transformers
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/newest_site \
+    .whl/transformers-*.whl && export PYTHONPATH=/tmp/newest_site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 
 start=$(date +%s)
 if [ -n "${KEEP_BUILD:-}" ] && ls bem/_C*.so >/dev/null 2>&1; then  # a second run in the same call
@@ -162,6 +168,10 @@ yaml.safe_dump(config, open(f"/tmp/compiled_configs/profile_{name}.yaml", "w"), 
     controller-profile) step controller_profile ${CONTROLLER_LIMIT:-240} python3 scripts/controller_profile.py \
         ${CONTROLLER_CONFIGS:+--configs $CONTROLLER_CONFIGS} ${CONTROLLER_BEFORE:+--before "$CONTROLLER_BEFORE"} \
         --json "$OUT/controller_profile.json" ;;
+    # decoding timed step by step (scripts/decode_steps.py): DECODE_CONFIGS (profile names), DECODE_ARGS (its flags)
+    decode-steps) step "decode_steps${DECODE_TAG:+_$DECODE_TAG}" ${DECODE_LIMIT:-400} env PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} \
+        python3 scripts/decode_steps.py $(for c in ${DECODE_CONFIGS:-llama_1b}; do echo --config "configs/profile_$c.yaml"; done) \
+        ${DECODE_ARGS:-} --json "$OUT/decode_steps${DECODE_TAG:+_$DECODE_TAG}.json" ;;
     # a compiled decoding step's device time by kernel kind, base against BEM (BREAKDOWN_CONFIGS: profile names)
     compiled-breakdown) step compiled_breakdown ${BREAKDOWN_LIMIT:-300} env PYTHONPATH=. python3 \
         scripts/compiled_decode_breakdown.py $(for c in ${BREAKDOWN_CONFIGS:-smollm_135m}; do echo --config \

@@ -95,7 +95,8 @@ def test_pack_layout_is_aligned_and_holds_the_parameters():
         modules.append(m)
     pack = AdapterPack(modules)
     assert pack.refresh()
-    for (V, U), m, (v_at, K, u_at, N, r) in zip(pack.weights(), modules, pack.layout):
+    for (V, U, joint), m, (v_at, K, u_at, N, r) in zip(pack.weights(), modules, pack.layout):
+        assert joint is None  # no base layer to join with
         assert v_at % ALIGN == 0 and u_at % ALIGN == 0
         assert torch.equal(V, m.bem_V) and torch.equal(U, m.bem_U)
     flat = pack.flat

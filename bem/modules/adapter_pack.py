@@ -11,6 +11,9 @@ parameters in again whenever one of them was written (its version counter) or re
 holds the storage it copied from, so a replacement cannot land at the same address) since the last copy, so a
 compiled call never reads adapters older than the parameters. The buffer keeps its
 address, which CUDA-graph replays rely on, for as long as the adapters keep their dtype, device and shapes.
+
+With `joint=True` the pack also keeps each plain `nn.Linear`'s weight and Vᵀ in one buffer (`joint_weights`), and
+the compiled step computes those layers as one GEMM of the base plus a fused expand.
 """
 
 from __future__ import annotations
@@ -20,14 +23,18 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
+from .joint_weights import JointWeights
+
 ALIGN = 64  # elements: each view starts 128-byte aligned (or more) in the buffer, as the kernels' loads want
 
 
 class AdapterPack:
     """One buffer holding the V and U of `modules` (each with `bem_V` (K, r) and `bem_U` (N, r))."""
 
-    def __init__(self, modules: Sequence[nn.Module]) -> None:
+    def __init__(self, modules: Sequence[nn.Module], joint: bool = True) -> None:
         self._modules = list(modules)
+        self.joint_weights: Optional[JointWeights] = JointWeights(self._modules) if joint else None
+        self._joints: list[Optional[torch.Tensor]] = [None] * len(self._modules)
         self.flat: Optional[torch.Tensor] = None
         # (V's offset, K, U's offset, N, r) per module, in module order: constants of the compiled call
         self.layout: tuple[tuple[int, int, int, int, int], ...] = ()
@@ -56,7 +63,11 @@ class AdapterPack:
         params = self._parameters()
         if not params or not self._packable(params):
             self.flat, self._seen = None, None
+            if self.joint_weights is not None:
+                self.joint_weights.release()
             return False
+        if self.joint_weights is not None:
+            self._joints = self.joint_weights.refresh()
         layout, size = [], 0
         for m in self._modules:
             (K, r), N = m._parameters["bem_V"].shape, m._parameters["bem_U"].shape[0]
@@ -76,12 +87,13 @@ class AdapterPack:
                                for p, (held, version) in zip(params, seen)):
             sources = [p.detach() for p in params]
             with torch.no_grad():  # the views in the parameters' order: V, U of each module
-                torch._foreach_copy_([view for pair in self.weights() for view in pair], sources)
+                torch._foreach_copy_([view for V, U, _ in self.weights() for view in (V, U)], sources)
             self._seen = [(t, t._version) for t in sources]
         return True
 
-    def weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(V, U) of each module, views of the buffer (traced into the compiled call as slices of one input)."""
+    def weights(self) -> list[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]:
+        """(V, U, joint) of each module: V and U views of the buffer (traced into the compiled call as slices of
+        one input), joint its [W; Vᵀ] buffer or None."""
         flat = self.flat
-        return [(flat[v_at:v_at + K * r].view(K, r), flat[u_at:u_at + N * r].view(N, r))
-                for v_at, K, u_at, N, r in self.layout]
+        return [(flat[v_at:v_at + K * r].view(K, r), flat[u_at:u_at + N * r].view(N, r), joint)
+                for (v_at, K, u_at, N, r), joint in zip(self.layout, self._joints)]

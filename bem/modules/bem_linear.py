@@ -16,6 +16,7 @@ import torch.nn as nn
 from transformers.pytorch_utils import Conv1D
 
 from ..kernels import ops
+from .joint_weights import joint_linear
 
 if TYPE_CHECKING:
     from .adapter_pack import AdapterPack
@@ -26,8 +27,9 @@ class RoutingContext:
 
     `codes` holds the current forward's codes, one (*leading_dims, rank) tensor per module; `None`
     means routing is off (every code is one). `enabled` False makes every wrapped layer its bare base.
-    `pack` is the model's `AdapterPack` while `generate` runs, and `weights` each module's (V, U) as views of
-    it during a compiled no-grad call (None otherwise: the modules read their parameters).
+    `pack` is the model's `AdapterPack` while `generate` runs, and `weights` each module's (V, U, joint) from it
+    during a compiled no-grad call (None otherwise: the modules read their parameters): V and U views of the pack,
+    joint the module's [W; Vᵀ] buffer or None.
     """
 
     def __init__(self) -> None:
@@ -154,7 +156,7 @@ class BEMLinear(nn.Module):
         spec = self.spec
         index, scaling, is_conv1d, owns_product, has_dropout, use_fused = spec
         codes = None if context.codes is None else context.codes[index]
-        if context.weights is not None:  # compiled, no grad, inside generate: V and U from the adapter pack
+        if context.weights is not None:  # compiled, no grad, inside generate: the adapter pack's weights
             return _forward_checked(self, spec, x, codes, context.weights[index])
         params = self._parameters
         V = params["bem_V"]
@@ -218,20 +220,24 @@ class BEMLinear(nn.Module):
 
 
 def _forward_checked(module: BEMLinear, spec: tuple, x: torch.Tensor, codes: Optional[torch.Tensor],
-                     packed: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                     packed: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None
+                     ) -> torch.Tensor:
     """Every other call: codes laid out as x, autocast, casts, dropout, layers with their own forward.
-    `packed`: the module's (V, U) read from the adapter pack, equal to its parameters."""
+    `packed`: the module's (V, U, joint) read from the adapter pack, equal to its parameters."""
     if codes is not None and codes.shape[:-1] != x.shape[:-1]:
         codes = module._reshape_codes(codes, x)
     if torch.is_autocast_enabled("cuda") if x.is_cuda else torch.is_autocast_enabled(x.device.type):
         return module._forward_autocast(x, codes)
-    _, _, _, owns_product, has_dropout, _ = spec
+    _, scaling, _, owns_product, has_dropout, _ = spec
     params = module._parameters
-    V, U = packed if packed is not None else (params["bem_V"], params["bem_U"])
+    V, U, joint = packed if packed is not None else (params["bem_V"], params["bem_U"], None)
     if x.dtype != V.dtype or (has_dropout and module.training) or not owns_product:
         return module._forward_base_plus_update(x, codes, V.dtype)
     if codes is not None and codes.dtype != V.dtype:
         codes = codes.to(V.dtype)
+    if joint is not None:  # generate's compiled step: the base's GEMM computes x V too (joint_weights)
+        bias = module._modules["base_layer"]._parameters.get("bias")
+        return joint_linear(x, joint, module.out_features, bias, codes, U, scaling)
     return _fused(module, spec, x, V, codes, U, own_v=packed is None)
 
 
