@@ -62,7 +62,7 @@ def kernel_times(run, index: int, device: torch.device) -> tuple[dict[str, float
         kind = kind_of(event.name)
         by_kind[kind] += micros
         count[kind] += 1
-        by_name[event.name[:90]] += micros
+        by_name[event.name[:160]] += micros
     return dict(by_kind), dict(count), dict(by_name)
 
 

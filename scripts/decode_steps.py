@@ -100,7 +100,7 @@ def models_for(config_path: str, names: list[str], device: torch.device):
 
 
 def measure(config_path: str, batches: list[int], modes: list[str], names: list[str], tokens: int, rounds: int,
-            breakdown: bool, device: torch.device) -> list[dict[str, Any]]:
+            breakdown: bool, device: torch.device, json_path: str = "", done: list = ()) -> list[dict[str, Any]]:
     config, base, models = models_for(config_path, names, device)
     pad = getattr(base.config, "pad_token_id", None) or 0
     rows = []
@@ -135,9 +135,13 @@ def measure(config_path: str, batches: list[int], modes: list[str], names: list[
                                                     zip(kernel_times(full, 0, device), kernel_times(first, 0, device)))
                     row.update(us_per_step=per_step, kernels_per_step=launches,
                                busy_us_per_step=sum(per_step.values()),
-                               top_kernels_us=sorted(names_us.items(), key=lambda item: -item[1])[:12])
+                               top_kernels_us=sorted(names_us.items(), key=lambda item: -item[1])[:30])
                 rows.append(row)
                 print(line(row), flush=True)
+                for kernel, micros in row.get("top_kernels_us", []):
+                    print(f"    {micros:8.1f} µs  {kernel}", flush=True)
+                if json_path:  # row by row: a call cut off keeps what it measured
+                    Path(json_path).write_text(json.dumps(done + rows, indent=1))
     del models
     torch.cuda.empty_cache()
     return rows
@@ -172,9 +176,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for config in args.config:
         rows += measure(config, [int(b) for b in args.batch.split(",")], args.modes.split(","), names,
-                        args.tokens, args.rounds, args.breakdown, device)
-        if args.json:  # after each config: a call cut off keeps what it measured
-            Path(args.json).write_text(json.dumps(rows, indent=1))
+                        args.tokens, args.rounds, args.breakdown, device, args.json or "", list(rows))
     import transformers
 
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}; "
