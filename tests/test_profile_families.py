@@ -26,6 +26,8 @@ FAMILIES = {
     "llama_1b": ("llama", {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
                            "num_attention_heads": 32, "num_key_value_heads": 8}, 7),
     "phi3_mini": ("phi3", {"hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32}, 4),
+    "llama3_8b": ("llama", {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                            "num_attention_heads": 32, "num_key_value_heads": 8}, 7),
 }
 
 

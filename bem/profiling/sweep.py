@@ -23,7 +23,7 @@ from .gate import FAIL, PASS, UNDECIDED
 from .table import VERDICT_LABELS, columns, num, with_interval
 
 # smallest first, so a broken setup shows up early
-SWEEP = ("smollm_135m", "gpt2", "qwen2_1.5b", "llama_1b", "phi3_mini")
+SWEEP = ("smollm_135m", "gpt2", "qwen2_1.5b", "llama_1b", "phi3_mini", "llama3_8b")
 SUMMARY_KIND = "bem-profile-sweep"
 SUMMARY_SCHEMA_VERSION = 1
 ERROR = "error"
