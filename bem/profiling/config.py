@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 import yaml
 
 from ..config import MIXERS, HierarchicalBEMConfig, closest_name
+from ..quantization import check_quantization
 from .statistics import repeats_needed
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -45,6 +46,8 @@ class ModelSpec:
     config: Optional[dict[str, Any]] = field(default_factory=_tiny_llama)
     dtype: str = "float32"
     attn_implementation: str = "eager"
+    # a bitsandbytes base (bits 4 or 8, quant_type, compute_dtype, double_quant): bem/quantization.py
+    quantization: Optional[dict[str, Any]] = None
 
 
 @dataclass
@@ -283,3 +286,7 @@ def _validate_model(model: ModelSpec) -> None:
             raise ProfileConfigError(f"model.config must be a mapping with a model_type, got {model.config!r}")
     _choice("model.dtype", model.dtype, DTYPES)
     _choice("model.attn_implementation", model.attn_implementation, ATTENTION)
+    try:
+        model.quantization = check_quantization(model.quantization)
+    except ValueError as err:
+        raise ProfileConfigError(str(err)) from None

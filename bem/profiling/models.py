@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from .. import BEMModel, HierarchicalBEMConfig, create_hierarchical_bem
+from ..quantization import load_quantized, quantized_copy
 from .config import ModelSpec, ProfileConfigError
 
 DTYPE_BY_NAME = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -52,6 +53,9 @@ def load_base_model(spec: ModelSpec, device: torch.device, seed: int) -> nn.Modu
         if not path.is_dir():
             raise ProfileConfigError(f"model.path is not a directory: {path}")
         try:
+            if spec.quantization is not None:
+                return load_quantized(str(path), spec.quantization, device, dtype,
+                                      attn_implementation=spec.attn_implementation, local_files_only=True).eval()
             model = AutoModelForCausalLM.from_pretrained(
                 path, dtype=dtype, attn_implementation=spec.attn_implementation, local_files_only=True)
         except (OSError, ValueError) as err:
@@ -68,6 +72,8 @@ def load_base_model(spec: ModelSpec, device: torch.device, seed: int) -> nn.Modu
         with torch.device(device):  # initialise on the target device: fast for large models
             model = AutoModelForCausalLM.from_config(
                 hf_config, dtype=dtype, attn_implementation=spec.attn_implementation)
+        if spec.quantization is not None:  # the random weights quantized as a pretrained model's would be
+            model = quantized_copy(model, spec.quantization, device, attn_implementation=spec.attn_implementation)
     return model.eval()
 
 

@@ -8,6 +8,7 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 
+from ..quantization import load_quantized
 from .presets import preset_config
 from .schema import ModelSection
 
@@ -33,7 +34,9 @@ def load_tokenizer(section: ModelSection, saved_base: Optional[Path] = None):
 
 def build_base_model(section: ModelSection, vocab_size: int, saved_base: Optional[Path] = None,
                      device: Union[str, torch.device, None] = None) -> nn.Module:
-    """Load `section.path`, else the run's saved fresh model, else initialise the preset at random."""
+    """Load `section.path`, else the run's saved fresh model, else initialise the preset at random. With
+    `section.quantization` a model loaded from a directory is quantized as it loads; a fresh one is returned in
+    full precision (the run saves it, then `quantize_saved_base` loads it back quantized)."""
     from transformers import AutoModelForCausalLM
 
     dtype = DTYPES[section.dtype]
@@ -41,6 +44,10 @@ def build_base_model(section: ModelSection, vocab_size: int, saved_base: Optiona
     if section.attn_implementation:
         kwargs["attn_implementation"] = section.attn_implementation
     path = section.path or (str(saved_base) if saved_base is not None and (saved_base / "config.json").is_file() else None)
+    if path is not None and section.quantization is not None:
+        target = torch.device(device or "cpu")
+        extra = {"attn_implementation": section.attn_implementation} if section.attn_implementation else {}
+        return load_quantized(path, section.quantization, target, dtype, **extra)
     if path is not None:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
         return model.to(device) if device is not None else model

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 from ..config import closest_name
+from ..quantization import check_quantization
 
 # names other trainers use for the same keys, so a habit from elsewhere gets a useful hint
 ALIASES = {"learning_rate": "lr", "num_epochs": "epochs", "num_train_epochs": "epochs",
@@ -52,8 +53,15 @@ class ModelSection:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     tokenizer: Optional[str] = None  # defaults to `path`; a byte-level tokenizer for fresh models
     attn_implementation: Optional[str] = None
+    # a bitsandbytes base (bits 4 or 8, quant_type, compute_dtype, double_quant): bem/quantization.py
+    quantization: Optional[dict[str, Any]] = None
 
     def check(self) -> None:
+        try:
+            self.quantization = check_quantization(self.quantization)
+        except ValueError as err:
+            field, _, message = str(err).partition(": ")
+            raise ConfigError(field, message) from None
         if self.path is None and self.architecture is None:
             raise ConfigError("model", "set either 'path' (a local pretrained model) or 'architecture' (a fresh one)")
         if self.path is not None and self.architecture is not None:

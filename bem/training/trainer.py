@@ -124,6 +124,9 @@ class Trainer:
         if config.model.path is None and self.is_main and not (self.base_dir / "config.json").is_file():
             self._save_fresh_base(base)
         self.accelerator.wait_for_everyone()
+        if config.model.quantization is not None and getattr(base, "hf_quantizer", None) is None:
+            # a fresh base is saved in full precision (adapters load onto it quantized anew), then trained quantized
+            base = build_base_model(config.model, len(self.tokenizer), self.base_dir, device=self.accelerator.device)
         if training.gradient_checkpointing:
             enable_gradient_checkpointing(base)
         bem_config = config.bem
