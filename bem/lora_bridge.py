@@ -1,12 +1,16 @@
-"""The bridge to PEFT LoRA: with every code equal to one, BEM is LoRA with A = V^T and B = U."""
+"""The bridge to PEFT LoRA: with every code equal to one, BEM is LoRA with A = V^T and B = U.
+
+Files and tensor dicts only: `BEMModel.from_peft_lora` / `save_as_peft_lora` call these, never the other way round.
+`model` below is a `BEMModel`."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -14,9 +18,6 @@ import torch.nn as nn
 from .config import HierarchicalBEMConfig
 from .io_utils import atomic_save_safetensors, atomic_write_json
 from .modules.controller import GATE_INIT_BIAS
-
-if TYPE_CHECKING:
-    from .model import BEMModel
 
 PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -37,11 +38,20 @@ def _read_peft_config(directory: Path) -> dict[str, Any]:
     return config
 
 
-def bem_from_peft_lora(base_model: nn.Module, directory: Path, enable_routing: bool = True,
-                       **overrides: Any) -> "BEMModel":
-    from safetensors.torch import load_file
+@dataclass
+class PeftLoraAdapter:
+    """A saved PEFT LoRA adapter as BEM reads it: the config of the equivalent BEM, and the weights."""
 
-    from .model import create_hierarchical_bem
+    config: HierarchicalBEMConfig
+    pairs: dict[str, dict[str, torch.Tensor]]  # module name -> {"A": (r, K), "B": (N, r)}
+    others: dict[str, torch.Tensor]  # the modules_to_save's weights, by their name under the model
+    rank: int
+    weights_path: Path
+
+
+def read_peft_lora(directory: Path, enable_routing: bool = True, **overrides: Any) -> PeftLoraAdapter:
+    """Read and check a PEFT LoRA adapter directory (safetensors only)."""
+    from safetensors.torch import load_file
 
     peft_config = _read_peft_config(directory)
     weights_path = directory / PEFT_WEIGHTS
@@ -73,16 +83,19 @@ def bem_from_peft_lora(base_model: nn.Module, directory: Path, enable_routing: b
               "modules_to_save": peft_config.get("modules_to_save") or None,
               "base_model_name_or_path": peft_config.get("base_model_name_or_path")}
     fields.update(overrides)
-    model = create_hierarchical_bem(base_model, HierarchicalBEMConfig(**fields))
+    return PeftLoraAdapter(HierarchicalBEMConfig(**fields), pairs, others, rank, weights_path)
+
+
+def apply_peft_lora(model: nn.Module, adapter: PeftLoraAdapter) -> None:
+    """Copy the adapter's weights into a freshly wrapped `model`; on a mismatch the base goes back unwrapped."""
     try:
-        _load_lora_weights(model, pairs, rank, others, weights_path)
+        _load_lora_weights(model, adapter.pairs, adapter.rank, adapter.others, adapter.weights_path)
     except ValueError:
         model.unload()  # the base model goes back as it was given
         raise
-    return model
 
 
-def _load_lora_weights(model: "BEMModel", pairs: dict[str, dict[str, torch.Tensor]], rank: int,
+def _load_lora_weights(model: nn.Module, pairs: dict[str, dict[str, torch.Tensor]], rank: int,
                        others: dict[str, torch.Tensor], weights_path: Path) -> None:
     with torch.no_grad():
         for name, module in model.bem_modules():
@@ -100,7 +113,7 @@ def _load_lora_weights(model: "BEMModel", pairs: dict[str, dict[str, torch.Tenso
             model.controller.static_codes.fill_(1.0 / torch.sigmoid(torch.tensor(GATE_INIT_BIAS)).item())
 
 
-def _load_saved_modules(model: "BEMModel", tensors: dict[str, torch.Tensor], weights_path: Path) -> None:
+def _load_saved_modules(model: nn.Module, tensors: dict[str, torch.Tensor], weights_path: Path) -> None:
     """Copy a PEFT adapter's modules_to_save weights (`<module>.<param>`) into BEM's trained copies."""
     states: dict[str, dict[str, torch.Tensor]] = {name: {} for name in model.saved_module_names}
     for key, value in tensors.items():
@@ -119,7 +132,7 @@ def _load_saved_modules(model: "BEMModel", tensors: dict[str, torch.Tensor], wei
         module.trained.load_state_dict(states[name])
 
 
-def save_as_peft_lora(model: "BEMModel", directory: Path) -> None:
+def save_as_peft_lora(model: nn.Module, directory: Path) -> None:
     if len(model.mixers):
         raise ValueError(
             f"this BEM has {model.bem_config.mixer} mixer blocks, which a LoRA adapter cannot express; only a BEM "

@@ -22,6 +22,9 @@ from .modules.mixers import MixerBlock, attach as attach_mixers, resolve_layers
 from .modules.trainable_copy import TrainableCopy
 from .call_hooks import CallHooks
 from .call_inputs import capture_generate_masks
+from .lora_bridge import apply_peft_lora, read_peft_lora, save_as_peft_lora
+from .persistence import apply_adapter, read_adapter, save_adapter
+from .stats import routing_stats
 from .targets import plan_targets, saved_module_names
 
 
@@ -351,35 +354,31 @@ class BEMModel(nn.Module):
     # ------------------------------------------------------------------ diagnostics
     def routing_stats(self) -> dict[str, Any]:
         """Statistics of the last forward's codes: per module norms and level contributions, gate mean."""
-        from .stats import routing_stats
-
         return routing_stats(self)
 
     # ------------------------------------------------------------------ persistence
     def save_pretrained(self, save_directory: Union[str, Path], **_: Any) -> None:
-        from .persistence import save_adapter
-
         save_adapter(self, Path(save_directory))
 
     @classmethod
     def from_pretrained(cls, base_model: nn.Module, adapter_directory: Union[str, Path],
                         is_trainable: bool = False, **config_overrides: Any) -> "BEMModel":
-        from .persistence import load_adapter
-
-        return load_adapter(base_model, Path(adapter_directory), is_trainable=is_trainable, **config_overrides)
+        config, state = read_adapter(base_model, Path(adapter_directory), **config_overrides)
+        model = create_hierarchical_bem(base_model, config)
+        apply_adapter(model, state, is_trainable)
+        return model
 
     @classmethod
     def from_peft_lora(cls, base_model: nn.Module, lora_directory: Union[str, Path],
                        enable_routing: bool = True, **config_overrides: Any) -> "BEMModel":
         """A BEM whose update equals a saved PEFT LoRA adapter's (A -> V^T, B -> U), routing neutral."""
-        from .lora_bridge import bem_from_peft_lora
-
-        return bem_from_peft_lora(base_model, Path(lora_directory), enable_routing=enable_routing, **config_overrides)
+        adapter = read_peft_lora(Path(lora_directory), enable_routing=enable_routing, **config_overrides)
+        model = create_hierarchical_bem(base_model, adapter.config)
+        apply_peft_lora(model, adapter)
+        return model
 
     def save_as_peft_lora(self, save_directory: Union[str, Path]) -> None:
         """Write a PEFT LoRA adapter (routing must be off) that `PeftModel.from_pretrained` loads."""
-        from .lora_bridge import save_as_peft_lora
-
         save_as_peft_lora(self, Path(save_directory))
 
     def merge_and_unload(self) -> nn.Module:

@@ -1,19 +1,20 @@
-"""Adapter files: `adapter_config.json` + `adapter_model.safetensors`, written atomically, read without pickle."""
+"""Adapter files: `adapter_config.json` + `adapter_model.safetensors`, written atomically, read without pickle.
+
+Files and tensor dicts only: the model module calls these (`BEMModel.save_pretrained` / `from_pretrained`), never
+the other way round. `model` below is a `BEMModel`."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 from .config import HierarchicalBEMConfig
 from .io_utils import atomic_save_safetensors, atomic_write_json
-
-if TYPE_CHECKING:
-    from .model import BEMModel
+from .modules.bem_linear import linear_features
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -21,7 +22,7 @@ FORMAT = "bem"
 FORMAT_VERSION = 1
 
 
-def save_adapter(model: "BEMModel", directory: Path) -> None:
+def save_adapter(model: nn.Module, directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     config = model.bem_config.to_dict()
     # pin the exact set of wrapped modules so loading rebuilds the same adapter on any config defaults
@@ -57,16 +58,21 @@ def read_adapter_config(directory: Path) -> dict[str, Any]:
     return record
 
 
-def load_adapter(base_model: nn.Module, directory: Path, is_trainable: bool = False, **overrides: Any) -> "BEMModel":
-    from .model import create_hierarchical_bem
-
+def read_adapter(base_model: nn.Module, directory: Path,
+                 **overrides: Any) -> tuple[HierarchicalBEMConfig, dict[str, torch.Tensor]]:
+    """The saved adapter's config (with `overrides`) and weights, after checking that `base_model` has every
+    wrapped module at the saved shapes."""
     record = read_adapter_config(directory)
     config_data = dict(record["bem_config"])
     config_data.update(overrides)
     config = HierarchicalBEMConfig.from_dict(config_data)
     _check_base_shapes(base_model, record.get("module_shapes", {}), directory)
-    state = _read_weights(directory)
-    model = create_hierarchical_bem(base_model, config)
+    return config, _read_weights(directory)
+
+
+def apply_adapter(model: nn.Module, state: dict[str, torch.Tensor], is_trainable: bool) -> None:
+    """Load `state` into a freshly wrapped `model`; on a mismatch the base goes back unwrapped and the error
+    stands. Frozen and in eval mode unless `is_trainable`."""
     try:
         model.load_bem_state_dict(state)
     except ValueError:
@@ -78,10 +84,9 @@ def load_adapter(base_model: nn.Module, directory: Path, is_trainable: bool = Fa
             param.requires_grad_(True)
     else:
         model.eval()
-    return model
 
 
-def load_adapter_weights(model: "BEMModel", directory: Path) -> None:
+def load_adapter_weights(model: nn.Module, directory: Path) -> None:
     """Load a saved adapter's weights into `model`, which must have the same modules and shapes (a resumed
     run); nothing changes on error."""
     read_adapter_config(directory)
@@ -98,8 +103,6 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def _check_base_shapes(base_model: nn.Module, shapes: dict, directory: Path) -> None:
-    from .modules.bem_linear import linear_features
-
     modules = dict(base_model.named_modules())
     for name, (in_features, out_features) in shapes.items():
         module = modules.get(name)

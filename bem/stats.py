@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from .model import BEMModel
+import torch.nn as nn
 
 
 def _mean_norm(values: torch.Tensor) -> torch.Tensor:
@@ -15,8 +13,8 @@ def _mean_norm(values: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(values.float(), dim=-1).mean(dim=(0, 1))
 
 
-def routing_stats(model: "BEMModel") -> dict[str, Any]:
-    """Per module: code norm and, when the last forward was not a training pass, each level's norm."""
+def routing_stats(model: nn.Module) -> dict[str, Any]:
+    """Of a `BEMModel`, per module: code norm and, when the last forward was not a training pass, each level's norm."""
     names = model.bem_module_names
     if model.controller is None:
         return {"routing": False, "modules": {n: {"code_norm": float(model.bem_config.rank) ** 0.5} for n in names}}

@@ -22,12 +22,11 @@ Set `BEM_CONTROLLER_GRAPHS=0` to run every call eagerly.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
+import torch.nn as nn
 
-if TYPE_CHECKING:
-    from .controller import HierarchicalController
 
 FORWARD_MAX_CODE_VALUES = 2**24
 FORWARD_KEPT_CODE_VALUES = 2**25
@@ -109,7 +108,7 @@ def _signature(tensors: Sequence[Optional[torch.Tensor]]) -> tuple:
 class ControllerGraphs:
     """Per-controller cache of captured calls (decode steps and whole-sequence calls)."""
 
-    def __init__(self, controller: "HierarchicalController") -> None:
+    def __init__(self, controller: nn.Module) -> None:
         self._controller_ref = [controller]  # a list: not registered as a submodule
         self._steps: dict[tuple, _CapturedCall] = {}
         self._forwards: dict[tuple, _CapturedCall] = {}

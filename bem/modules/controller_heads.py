@@ -19,16 +19,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from .controller import HierarchicalController
 
 
-def stacked_weights(controller: "HierarchicalController") -> tuple[torch.Tensor, ...]:
+def stacked_weights(controller: nn.Module) -> tuple[torch.Tensor, ...]:
     """(W1, b1, W2, b2) as in the module docstring; d = controller_dim, inputs [z | p | ctx] (3d wide)."""
     prefix, chunk, token, gate = controller.prefix_head, controller.chunk_head, controller.token_head, controller.gate
     d = prefix[0].in_features
@@ -79,7 +78,7 @@ class StackedWeights:
         return not (like.is_cuda and torch.cuda.is_current_stream_capturing()) or self.in_own_capture
 
     @staticmethod
-    def _parameters(controller: "HierarchicalController") -> list[torch.Tensor]:
+    def _parameters(controller: nn.Module) -> list[torch.Tensor]:
         modules = [controller.prefix_head[0], controller.prefix_head[2], controller.chunk_head[0],
                    controller.chunk_head[2]]
         if controller.token_head is not None:
@@ -88,7 +87,7 @@ class StackedWeights:
             modules.append(controller.gate)
         return [t for m in modules for t in (m.weight, m.bias)]
 
-    def refresh(self, controller: "HierarchicalController") -> None:
+    def refresh(self, controller: nn.Module) -> None:
         params = self._parameters(controller)
         key = tuple((p._version, p.data_ptr(), p.dtype) for p in params)
         if key == self._key:
@@ -104,12 +103,12 @@ class StackedWeights:
                 self._kept = made
         self._key = key
 
-    def get(self, controller: "HierarchicalController") -> tuple[torch.Tensor, ...]:
+    def get(self, controller: nn.Module) -> tuple[torch.Tensor, ...]:
         self.refresh(controller)
         return self._kept
 
 
-def first_layer(controller: "HierarchicalController", z: torch.Tensor, p: torch.Tensor,
+def first_layer(controller: nn.Module, z: torch.Tensor, p: torch.Tensor,
                 chunk_ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(first (B, T, heads [+ 1 gate logit]), W2, b2) for features z, prefix p and chunk context (all (B, T, d)).
     Under autograd, compilation or a capture not the controller's own the stacked weights are made in the call."""
@@ -125,12 +124,12 @@ def second_layer(first: torch.Tensor, W2: torch.Tensor, b2: torch.Tensor) -> tor
     return F.linear(F.gelu(first[..., : W2.shape[1]]), W2, b2)
 
 
-def gate_logit(controller: "HierarchicalController", first: torch.Tensor, W2: torch.Tensor) -> Optional[torch.Tensor]:
+def gate_logit(controller: nn.Module, first: torch.Tensor, W2: torch.Tensor) -> Optional[torch.Tensor]:
     """The gate's logit (B, T, 1), or None without a gate."""
     return first[..., W2.shape[1] :] if controller.gate is not None else None
 
 
-def heads_and_gate(controller: "HierarchicalController", z: torch.Tensor, p: torch.Tensor,
+def heads_and_gate(controller: nn.Module, z: torch.Tensor, p: torch.Tensor,
                    chunk_ctx: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(dynamic (B, T, M*r) before the clamp, gate logit (B, T, 1) or None) for features z, prefix p and chunk
     context (all (B, T, d))."""
@@ -146,7 +145,7 @@ class RoutingLevels(Mapping):
 
     KEYS = ("prefix", "chunk", "dynamic", "token", "gate", "codes")
 
-    def __init__(self, controller: "HierarchicalController", z: torch.Tensor, p: torch.Tensor,
+    def __init__(self, controller: nn.Module, z: torch.Tensor, p: torch.Tensor,
                  chunk_ctx: torch.Tensor, gate: Optional[torch.Tensor], codes: torch.Tensor) -> None:
         self._controller_ref = [controller]  # a list: no module registered, no cycle through it
         self._inputs = (z, p, chunk_ctx)
