@@ -79,31 +79,14 @@ class Profiler:
         how = f", static cache, decoding step compiled ({backend})" if compiled else ""
         self.log(f"  {name} ({spec.new_tokens} tokens after a {spec.prompt_length}-token prompt{how})")
         batches = self._batches(batch, spec.prompt_length, salt=7_919 * batch)
-        runs = {}
-        for key, model in self.variants.named().items():
-            runs[key] = workloads.generation(model, batches, spec.new_tokens, self.pad_token_id, backend)
-            runs[f"{key}:first"] = workloads.generation(model, batches, 1, self.pad_token_id, backend)
+        # each repeat: one generate per variant, its decoding steps timed one by one (the median step)
+        runs = {key: workloads.decoding_steps(model, batches, spec.new_tokens, self.pad_token_id, backend)
+                for key, model in self.variants.named().items()}
         if not compiled:  # compiled, the controller's step is part of one graph: no share to time apart
             self._add_controller_run(runs, "step")
         shape = {"batch": batch, "prompt_length": spec.prompt_length, "new_tokens": spec.new_tokens}
         kind = "decode_compiled" if compiled else "decode"
-        self._add(name, kind, shape, "ms/token", runs, self._per_token)
-
-    def _per_token(self, samples: dict[str, list[float]]) -> dict[str, list[float]]:
-        """Per generated token, each repeat: (generate N - generate 1) / (N - 1) leaves out the prompt's prefill."""
-        steps = self.config.decode.new_tokens - 1
-        return {key: [(full - first) / steps for full, first in zip(samples[key], samples[f"{key}:first"])]
-                for key in self.variants.named()}
-
-    def _per_token_problem(self, per_repeat: dict[str, list[float]]) -> Optional[str]:
-        bad = {key: sum(value <= 0 for value in values) for key, values in per_repeat.items()}
-        bad = {key: count for key, count in bad.items() if count}
-        if not bad:
-            return None
-        which = ", ".join(f"{key} in {count}" for key, count in bad.items())
-        return (f"generating {self.config.decode.new_tokens} tokens measured no slower than generating one "
-                f"({which} of {len(next(iter(per_repeat.values())))} repeats): no per-token time there "
-                f"(raise decode.new_tokens or timing.max_repeats)")
+        self._add(name, kind, shape, "ms/token", runs, self._variant_samples)
 
     # ------------------------------------------------------------------ training step
     def train(self) -> None:
@@ -131,12 +114,11 @@ class Profiler:
         """Time `runs` until the stopping rule ends them, then record the setting (and the controller's share)."""
         samples, stop_reason, seconds = self._time(runs, per_repeat)
         values = per_repeat(samples)
-        problem = self._per_token_problem(values) if unit == "ms/token" else None
         name = name if self.label is None else f"{name} [{self.label}]"
         gated = kind in self.config.gate and self.label is None
         setting = make_setting(name, kind, shape, unit, values, samples, memory() if memory else None,
                                gated=gated, confidence=self.config.timing.confidence,
-                               stop_reason=stop_reason, seconds=seconds, problem=problem)
+                               stop_reason=stop_reason, seconds=seconds, problem=None)
         self.settings.append(setting)
         # the ratio as soon as it is measured: a run cut off before its report is written keeps it in the log
         overhead = with_interval(setting["bem_overhead"], setting["intervals"].get("bem_overhead"))

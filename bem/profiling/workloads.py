@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import statistics
+import time
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -59,12 +61,59 @@ def generation(model: nn.Module, batches: list[torch.Tensor], new_tokens: int, p
         compile_config._compile_all_devices = True
         extra = {"cache_implementation": "static", "compile_config": compile_config}
 
-    def run(index: int) -> Any:
+    def run(index: int, **more: Any) -> Any:
         ids = batches[index % len(batches)]
         return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                               min_new_tokens=new_tokens, do_sample=False, use_cache=True,
-                              pad_token_id=pad_token_id, **extra)
+                              pad_token_id=pad_token_id, **extra, **more)
 
+    return run
+
+
+class _StepTimes:
+    """A logits processor that notes when each step's logits come out: a CUDA event on a GPU (recorded on the
+    stream, so a step's time includes the device's idle time waiting for the host, as a user sees it), the host
+    clock elsewhere."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.marks: list[Any] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+        return scores
+
+    def median_step_ms(self) -> float:
+        if self.cuda:
+            self.marks[-1].synchronize()
+            gaps = [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        else:
+            gaps = [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return float(statistics.median(gaps))
+
+
+def decoding_steps(model: nn.Module, batches: list[torch.Tensor], new_tokens: int, pad_token_id: int,
+                   compile_backend: Optional[str] = None) -> Workload:
+    """`generation` that returns its own measurement: the median over the decoding steps of one greedy `generate`
+    of the time from one step's logits to the next's (ms per token). The prompt's prefill and generate's set-up
+    fall outside every gap, so each repeat gives a per-token time from one call, where the difference of two whole
+    calls gave one with the set-up's noise in it. `new_tokens` >= 2."""
+    from transformers import LogitsProcessorList
+
+    generate = generation(model, batches, new_tokens, pad_token_id, compile_backend)
+    cuda = next(model.parameters()).is_cuda
+
+    def run(index: int) -> float:
+        timer = _StepTimes(cuda)
+        generate(index, logits_processor=LogitsProcessorList([timer]))
+        return timer.median_step_ms()
+
+    run.self_timed = True  # type: ignore[attr-defined]  # the timing loop records what it returns
     return run
 
 
