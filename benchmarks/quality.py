@@ -1,0 +1,322 @@
+"""Does routing earn its cost? BEM against PEFT LoRA and DoRA at an equal trainable-parameter budget.
+
+    python benchmarks/quality.py [--suites multitask,control,recall] [--seeds 3] [--steps 400] [--rank 8]
+        [--base-width 256] [--base-layers 4] [--pretrain-steps 600] [--cache-dir DIR] [--device auto]
+        [--plot-ranks 2,4,8,16,32] [--plot quality.png] [--json quality.json]
+
+The frozen base is a byte-level Llama pretrained here on the installed packages' Python sources
+(quality_base.py; cached in --cache-dir). On it, every variant trains the same steps on the same data stream
+(per seed) with the same optimiser and schedule, and is scored on fresh sequences (quality_tasks.py):
+
+- `bem`: routing on at --rank; `bem_static`: routing off at the rank whose trainable parameters come closest
+  to `bem`'s; `lora` and `dora`: PEFT's adapters on the same linears at their closest ranks;
+- `bem-prefix`, `bem-chunk`, `bem-token`, `bem-gate`: `bem` with one routing level held at its initial,
+  neutral value (its parameters frozen), to say which level carries a gain;
+- recall suite only: `bem+hyena`, `bem+mlstm`, a mixer after every block.
+
+Scores: the multi-task and control suites, exact match of the whole answer (every answer token the argmax
+under teacher forcing, which is what greedy decoding reproduces), per task and averaged; recall, per-query
+accuracy. Mean and standard deviation over seeds; the table also gives each variant's trainable parameters,
+its budget against `bem`'s, and the controller's share of `bem`'s parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quality_base import BaseSpec, frozen_base  # noqa: E402
+from quality_tasks import RecallSuite, TransformSuite, chance  # noqa: E402
+
+from bem import HierarchicalBEMConfig, create_hierarchical_bem  # noqa: E402
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ABLATIONS = {  # level -> the controller parameters that make it (their last layers start at zero)
+    "prefix": ("prefix_head.",),
+    "chunk": ("chunk_summary.", "chunk_head."),
+    "token": ("token_head.",),
+    "gate": ("gate.", "gate_log_temperature"),
+}
+SUITES = {
+    "multitask": lambda: TransformSuite(),
+    "control": lambda: TransformSuite(tasks=("reverse",)),
+    "recall": lambda: RecallSuite(pairs=8, queries=4),
+}
+RECALL_SHAPES = [(8, 4), (16, 8)]  # (pairs, queries) of the recall rows
+
+
+@dataclass
+class Settings:
+    steps: int = 400
+    batch: int = 32
+    lr: float = 3e-3
+    eval_rows: int = 512
+    rank: int = 8
+    controller_dim: int = 32
+    chunk_size: int = 4
+    max_prefix_tokens: int = 4
+
+
+def trainable(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def linear_sizes(base: nn.Module) -> int:
+    """Sum of (in + out) features over the targeted linears: a rank-1 adapter's parameters."""
+    return sum(m.in_features + m.out_features for n, m in base.named_modules()
+               if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in TARGETS)
+
+
+def output_sizes(base: nn.Module) -> int:
+    return sum(m.out_features for n, m in base.named_modules()
+               if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in TARGETS)
+
+
+def bem_config(settings: Settings, rank: int, routing: bool = True, mixer: Optional[str] = None,
+               length: int = 64) -> HierarchicalBEMConfig:
+    return HierarchicalBEMConfig(rank=rank, alpha=2.0 * rank, enable_routing=routing, attach_qkv=True,
+                                 controller_dim=settings.controller_dim, chunk_size=settings.chunk_size,
+                                 max_prefix_tokens=settings.max_prefix_tokens, use_fused_kernels=False,
+                                 mixer=mixer, mixer_dim=64, mixer_heads=4, mixer_max_length=max(64, length))
+
+
+def peft_adapter(base: nn.Module, rank: int, dora: bool) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(base, LoraConfig(r=rank, lora_alpha=2.0 * rank, target_modules=TARGETS,
+                                           lora_dropout=0.0, use_dora=dora))
+
+
+def matched_rank(budget: int, per_rank: int, fixed: int = 0) -> int:
+    """The rank whose parameter count (fixed + rank x per_rank) comes closest to `budget`."""
+    return max(1, round((budget - fixed) / per_rank))
+
+
+def variants(base_copy: Callable[[], nn.Module], settings: Settings, suite_name: str, rank: int,
+             length: int) -> dict[str, Callable[[], nn.Module]]:
+    """name -> builder of a freshly initialised variant (the base frozen inside)."""
+    plain = base_copy()
+    per_rank, outputs = linear_sizes(plain), output_sizes(plain)
+    budget = trainable(create_hierarchical_bem(plain, bem_config(settings, rank, length=length)))
+    static_rank = matched_rank(budget, per_rank)
+    dora_rank = matched_rank(budget, per_rank, fixed=outputs)
+    builders: dict[str, Callable[[], nn.Module]] = {
+        "bem": lambda: create_hierarchical_bem(base_copy(), bem_config(settings, rank, length=length)),
+        "bem_static": lambda: create_hierarchical_bem(base_copy(), bem_config(settings, static_rank, False,
+                                                                              length=length)),
+        "lora": lambda: peft_adapter(base_copy(), static_rank, dora=False),
+        "dora": lambda: peft_adapter(base_copy(), dora_rank, dora=True),
+    }
+    for level, prefixes in ABLATIONS.items():
+        builders[f"bem-{level}"] = lambda prefixes=prefixes: without_level(
+            create_hierarchical_bem(base_copy(), bem_config(settings, rank, length=length)), prefixes)
+    if suite_name == "recall":
+        for mixer in ("hyena", "mlstm"):
+            builders[f"bem+{mixer}"] = lambda mixer=mixer: create_hierarchical_bem(
+                base_copy(), bem_config(settings, rank, mixer=mixer, length=length))
+    return builders
+
+
+def without_level(model: nn.Module, prefixes: tuple[str, ...]) -> nn.Module:
+    """Hold one routing level at its initial value: its parameters frozen (the heads' last layers are zero, so
+    the level adds nothing; the gate stays at its initial, nearly open value)."""
+    for name, param in model.controller.named_parameters():
+        if name.startswith(prefixes):
+            param.requires_grad_(False)
+    return model
+
+
+def labels_of(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask, ids, torch.full_like(ids, -100))
+
+
+def train(model: nn.Module, suite, settings: Settings, seed: int, device: torch.device) -> list[float]:
+    generator = torch.Generator().manual_seed(10_000 + seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20)
+                                                 * max(0.0, 1 - step / settings.steps))
+    model.train()
+    losses = []
+    for step in range(settings.steps):
+        ids, mask, _ = suite.batch(settings.batch, generator)
+        ids, mask = ids.to(device), mask.to(device)
+        loss = model(input_ids=ids, labels=labels_of(ids, mask)).loss
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % 25 == 0 or step == settings.steps - 1:
+            losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, suite, settings: Settings, seed: int, device: torch.device) -> dict[str, float]:
+    """Exact match per task (transform suites) or per-query accuracy (recall), on fresh rows."""
+    generator = torch.Generator().manual_seed(20_000 + seed)
+    ids, mask, which = suite.batch(settings.eval_rows, generator)
+    ids, mask = ids.to(device), mask.to(device)
+    logits = model(input_ids=ids).logits
+    predicted = logits[:, :-1].argmax(-1)
+    target, answer = ids[:, 1:], mask[:, 1:]
+    correct = (predicted == target) | ~answer
+    if isinstance(suite, RecallSuite):
+        return {"accuracy": ((predicted == target) & answer).sum().item() / answer.sum().item()}
+    exact = correct.all(dim=1).float().cpu()
+    scores = {task: exact[which == index].mean().item() for index, task in enumerate(suite.tasks)}
+    scores["mean"] = statistics.fmean(scores.values())
+    return scores
+
+
+def run_suite(base: nn.Module, suite_name: str, suite, settings: Settings, seeds: list[int], device: torch.device,
+              only: Optional[list[str]], log: Callable[[str], None]) -> list[dict[str, Any]]:
+    import copy
+
+    base_copy = lambda: copy.deepcopy(base)  # noqa: E731
+    builders = variants(base_copy, settings, suite_name, settings.rank, suite.sequence_length)
+    rows, budget = [], None
+    for name, build in builders.items():
+        if only and name not in only:
+            continue
+        results, params, share = [], 0, None
+        for seed in seeds:
+            torch.manual_seed(seed)
+            model = build().to(device)
+            params = trainable(model)
+            controller = getattr(model, "controller", None)
+            if controller is not None and name == "bem":
+                share = sum(p.numel() for p in controller.parameters()) / params
+            started = time.perf_counter()
+            losses = train(model, suite, settings, seed, device)
+            scores = evaluate(model, suite, settings, seed, device)
+            results.append({"seed": seed, "scores": scores, "losses": losses,
+                            "seconds": round(time.perf_counter() - started, 1)})
+            log(f"  {suite_name} {name} seed {seed}: {json.dumps({k: round(v, 3) for k, v in scores.items()})} "
+                f"({results[-1]['seconds']} s)")
+            del model
+        if name == "bem":
+            budget = params
+        key = "accuracy" if suite_name == "recall" else "mean"
+        values = [r["scores"][key] for r in results]
+        rows.append({"suite": suite_name, "variant": name, "trainable": params,
+                     "budget": None if budget is None else params / budget, "controller_share": share,
+                     "mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+                     "seeds": results})
+    return rows
+
+
+def rank_curve(base: nn.Module, suite, settings: Settings, ranks: list[int], seeds: list[int],
+               device: torch.device, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Multi-task score against trainable parameters: BEM (routed) and LoRA at each rank."""
+    points = []
+    for rank in ranks:
+        ranked = replace(settings, rank=rank)
+        for row in run_suite(base, "multitask", suite, ranked, seeds, device, ["bem", "lora"], log):
+            points.append({"variant": row["variant"], "rank": rank, "trainable": row["trainable"],
+                           "mean": row["mean"], "std": row["std"]})
+    return points
+
+
+def plot(points: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for variant in ("bem", "lora"):
+        mine = sorted((p for p in points if p["variant"] == variant), key=lambda p: p["trainable"])
+        axes.errorbar([p["trainable"] for p in mine], [p["mean"] for p in mine], yerr=[p["std"] for p in mine],
+                      marker="o", capsize=3, label={"bem": "BEM (routed)", "lora": "PEFT LoRA"}[variant])
+    axes.set_xscale("log")
+    axes.set_xlabel("trainable parameters")
+    axes.set_ylabel("multi-task exact match")
+    axes.set_title(title, fontsize=9)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def table(rows: list[dict[str, Any]], seeds: int) -> str:
+    lines = [f"| suite | variant | trainable params | budget vs bem | score (mean ± std, {seeds} seeds) |",
+             "|---|---|---|---|---|"]
+    for row in rows:
+        budget = "-" if row["budget"] is None else f"{row['budget']:.3f}"
+        share = "" if row["controller_share"] is None else f" (controller {100 * row['controller_share']:.1f}%)"
+        lines.append(f"| {row['suite']} | {row['variant']} | {row['trainable']:,}{share} | {budget} | "
+                     f"{row['mean']:.3f} ± {row['std']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suites", default="multitask,control,recall")
+    parser.add_argument("--variants", default="", help="comma-separated subset of the variants (default: all)")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=Settings.steps)
+    parser.add_argument("--batch", type=int, default=Settings.batch)
+    parser.add_argument("--lr", type=float, default=Settings.lr)
+    parser.add_argument("--rank", type=int, default=Settings.rank)
+    parser.add_argument("--eval-rows", type=int, default=Settings.eval_rows)
+    parser.add_argument("--base-width", type=int, default=BaseSpec.width)
+    parser.add_argument("--base-layers", type=int, default=BaseSpec.layers)
+    parser.add_argument("--pretrain-steps", type=int, default=BaseSpec.pretrain_steps)
+    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "bem" / "quality")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--plot-ranks", default="", help="e.g. 2,4,8,16,32: the score-against-parameters curve")
+    parser.add_argument("--plot", type=Path, default=Path("quality.png"))
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--threads", type=int)
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.suites.split(",")) - set(SUITES))
+    if unknown:
+        parser.error(f"unknown suite {unknown[0]!r}; the suites are {', '.join(SUITES)}")
+    if args.seeds < 1:
+        parser.error("--seeds must be at least 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    spec = BaseSpec(width=args.base_width, layers=args.base_layers, pretrain_steps=args.pretrain_steps)
+    base = frozen_base(spec, device, args.cache_dir, log)
+    for param in base.parameters():
+        param.requires_grad_(False)
+    settings = Settings(steps=args.steps, batch=args.batch, lr=args.lr, rank=args.rank, eval_rows=args.eval_rows)
+    seeds = list(range(args.seeds))
+    only = [v for v in args.variants.split(",") if v] or None
+    rows: list[dict[str, Any]] = []
+    for name in args.suites.split(","):
+        rows += run_suite(base, name, SUITES[name](), settings, seeds, device, only, log)
+    where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    title = (f"{where}; base: byte-level Llama {spec.width} wide, {spec.layers} layers, "
+             f"{spec.pretrain_steps} pretraining steps; {settings.steps} steps, batch {settings.batch}, lr {settings.lr}")
+    report: dict[str, Any] = {"title": title, "settings": vars(settings), "base": asdict(spec), "rows": rows,
+                              "chance": {name: chance(SUITES[name]()) for name in SUITES}}
+    if args.plot_ranks:
+        points = rank_curve(base, SUITES["multitask"](), settings, [int(r) for r in args.plot_ranks.split(",")],
+                            seeds, device, log)
+        report["rank_curve"] = points
+        plot(points, args.plot, title)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    print(title)
+    print(table(rows, len(seeds)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,77 @@
+"""The quality benchmark (benchmarks/quality.py): its tasks are what they say, its variants meet the equal
+budget, and a shortened run on a tiny random base completes with a table. What a short run can assert
+robustly is the bookkeeping, not which adapter wins."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import quality  # noqa: E402
+from quality_tasks import ALPHABET, EQUALS, MARKERS, VALUES, RecallSuite, TransformSuite  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def symbols(row: torch.Tensor) -> list[int]:
+    return [ALPHABET.index(int(v)) for v in row]
+
+
+def test_each_transform_row_holds_its_task_and_answer():
+    suite = TransformSuite(length=7)
+    ids, mask, which = suite.batch(64, torch.Generator().manual_seed(0))
+    assert ids.shape == (64, 16) and mask.sum(1).tolist() == [7] * 64
+    assert set(which.tolist()) == set(range(len(suite.tasks)))  # every task appears
+    for row, task_index in zip(ids, which):
+        task = suite.tasks[int(task_index)]
+        assert int(row[0]) == MARKERS[task] and int(row[8]) == EQUALS
+        x, y = symbols(row[1:8]), symbols(row[9:])
+        expected = {"copy": x, "reverse": x[::-1], "sort": sorted(x), "shift": [(v + 1) % 16 for v in x],
+                    "complement": [15 - v for v in x],
+                    "running_max": [max(x[:i + 1]) for i in range(len(x))]}[task]
+        assert y == expected, task
+
+
+def test_each_recall_query_is_answered_by_its_keys_value():
+    suite = RecallSuite(pairs=6, queries=3)
+    ids, mask, _ = suite.batch(32, torch.Generator().manual_seed(1))
+    assert ids.shape == (32, suite.sequence_length) and mask.sum(1).tolist() == [3] * 32
+    for row, answers in zip(ids, mask):
+        pairs = {int(row[2 * i]): int(row[2 * i + 1]) for i in range(6)}
+        assert len(pairs) == 6 and all(v in VALUES for v in pairs.values())
+        for position in answers.nonzero().flatten().tolist():
+            assert int(row[position]) == pairs[int(row[position - 1])]
+
+
+def test_a_short_run_gives_every_variant_at_an_equal_budget(tmp_path, capsys):
+    out = tmp_path / "quality.json"
+    code = quality.main(["--suites", "multitask", "--seeds", "2", "--steps", "12", "--batch", "8",
+                         "--eval-rows", "48", "--base-width", "64", "--base-layers", "1", "--pretrain-steps", "0",
+                         "--cache-dir", str(tmp_path / "cache"), "--device", "cpu", "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    rows = {row["variant"]: row for row in report["rows"]}
+    assert set(rows) == {"bem", "bem_static", "lora", "dora", "bem-prefix", "bem-chunk", "bem-token", "bem-gate"}
+    for name in ("bem_static", "lora", "dora"):
+        assert abs(rows[name]["budget"] - 1.0) <= 0.05, (name, rows[name]["budget"])
+    assert 0 < rows["bem"]["controller_share"] < 1
+    for name in ("bem-prefix", "bem-chunk", "bem-token", "bem-gate"):  # a level held: fewer trainable parameters
+        assert rows[name]["trainable"] < rows["bem"]["trainable"]
+    for row in rows.values():
+        assert len(row["seeds"]) == 2 and 0.0 <= row["mean"] <= 1.0 and row["std"] >= 0.0
+        assert all(math.isfinite(loss) for seed in row["seeds"] for loss in seed["losses"])
+        assert set(row["seeds"][0]["scores"]) == set(TransformSuite().tasks) | {"mean"}
+    printed = capsys.readouterr().out
+    assert "| multitask | bem |" in printed and "2 seeds" in printed
+
+
+def test_bad_arguments_are_refused_by_name():
+    with pytest.raises(SystemExit):
+        quality.main(["--suites", "multitsk"])
