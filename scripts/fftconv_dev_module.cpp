@@ -1,6 +1,6 @@
 // The fftconv kernels alone as a module (bem_fftconv_dev), for building and testing them while the other
 // families' sources change: BEM_FFTCONV_DEV_MODULE=1 makes bem.kernels.fftconv build and use it
-// (bem/kernels/fftconv/custom_ops.py; scripts/gpu_fftconv.sh).
+// (bem/kernels/fftconv/custom_ops.py; scripts/gpu/fftconv.sh).
 #include <torch/extension.h>
 
 namespace bem {

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Nsight Compute on each fftconv block kernel at NCU_SHAPES (gpu_fftconv.sh's `ncu` step, after its build):
+# Nsight Compute on each fftconv block kernel at NCU_SHAPES (scripts/gpu/fftconv.sh's `ncu` step, after its build):
 # every section to stdout, and the per-instruction source page with its stall samples into
 # $OUT/ncu_<kernel>_<shape>.csv.gz (SASS lines with their source lines).
 set -o pipefail

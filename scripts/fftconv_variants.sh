@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Kernel variants of the fftconv block kernels side by side on one GPU (gpu_fftconv.sh's `variants` step):
+# Kernel variants of the fftconv block kernels side by side on one GPU (scripts/gpu/fftconv.sh's `variants` step):
 # each VARIANTS entry is a set of nvcc -D switches (comma-separated), built as a dev module of its own (the
 # builds in parallel), then each variant's kernel times at VARIANT_SHAPES, in turn.
 set -o pipefail

@@ -16,9 +16,9 @@ g = dy ⊙ postgate ⊙ act'(c):
 A gradient that is not needed comes back as an empty tensor (the op's schema has no optional outputs).
 
 The extension is `bem._C` (`bem.kernels.custom_ops.extension()`). With BEM_FFTCONV_DEV_MODULE=1 it is
-instead a module of this family's sources alone, built just in time (scripts/gpu_fftconv.sh): the other
+instead a module of this family's sources alone, built just in time (scripts/gpu/fftconv.sh): the other
 families' sources need not compile for these kernels to be built and tested. BEM_FFTCONV_DEV_OBJECTS names a
-folder of the CUDA sources' objects compiled ahead (`scripts/gpu_fftconv.sh objects`): then only the bindings
+folder of the CUDA sources' objects compiled ahead (`scripts/gpu/fftconv.sh objects`): then only the bindings
 are compiled.
 """
 

@@ -15,7 +15,7 @@ the state entering each chunk; m_states (B, NH, NC + 1). Everything but h and th
 float32 (float64 for float64 inputs).
 
 The extension is bem._C (`bem.kernels.custom_ops.extension()`); with BEM_MLSTM_DEV_MODULE=1 it is instead a
-module of the mLSTM sources alone, built on first use (scripts/mlstm_dev_module.cpp, scripts/gpu_mlstm.sh).
+module of the mLSTM sources alone, built on first use (scripts/mlstm_dev_module.cpp, scripts/gpu/mlstm.sh).
 """
 
 from __future__ import annotations

@@ -2,12 +2,12 @@
 # The fftconv kernels on a CUDA machine, built as a module of their own (bem_fftconv_dev, from
 # scripts/fftconv_dev_module.cpp) so that the other families' sources need not compile: the build, the GPU
 # tests, the benchmark; each step's log under $OUT, a one-line summary per step last.
-#   bash scripts/gpu_fftconv.sh objects            compile the CUDA sources into .fftconv_objects/ here (nvcc
+#   bash scripts/gpu/fftconv.sh objects            compile the CUDA sources into .fftconv_objects/ here (nvcc
 #                                                  13, sm_90a): a run that finds that folder (carry it) only
 #                                                  compiles the bindings against torch and links the objects
-#   bash scripts/gpu_fftconv.sh [tests] [bench] [quick-bench] [kernel-times] [ncu] [variants]
+#   bash scripts/gpu/fftconv.sh [tests] [bench] [quick-bench] [kernel-times] [ncu] [variants]
 set -o pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 NVCC_FLAGS=(-gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --use_fast_math -lineinfo -Xcompiler -fPIC
             -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__
             -D__CUDA_NO_HALF2_OPERATORS__ --expt-relaxed-constexpr)
@@ -62,7 +62,7 @@ for what in "${@:-tests bench}"; do
   for one in $what; do
     case $one in
       # not the tests that make the bindings throw: a C++ exception through this just-in-time module crashes
-      # the process; gpu_validate.sh's mixer-errors step runs them against bem._C
+      # the process; scripts/gpu/validate.sh's mixer-errors step runs them against bem._C
       tests) step gpu_tests "${TESTS_LIMIT:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
           tests/gpu/test_fftconv.py -k "not refuse and not bad_operands" ;;
       cpu-tests) step cpu_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_fftconv_reference.py ;;

@@ -2,7 +2,7 @@
 # The mLSTM kernels on a CUDA machine: a module of their sources alone (bem_mlstm_dev, built just in time
 # through BEM_MLSTM_DEV_MODULE=1, so the rest of csrc/ need not build), then the requested steps, each with
 # its own time limit and log under $OUT; a one-line summary per step last.
-# Usage: bash scripts/gpu_mlstm.sh [tests] [bench] [bench-quick]
+# Usage: bash scripts/gpu/mlstm.sh [tests] [bench] [bench-quick]
 # TFLA (mlstm_kernels) joins the benchmark when its wheel is in .whl/ (pip download mlstm_kernels --no-deps -d .whl).
 set -o pipefail
 OUT=${OUT:-out}
