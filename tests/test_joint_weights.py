@@ -110,3 +110,18 @@ def test_conv1d_and_mixed_dtype_layers_are_not_joined(load_base):
     _, module = llama.bem_modules()[0]
     module.bem_V.data = module.bem_V.data.double()
     assert not joinable(module) and joinable(llama.bem_modules()[1][1])
+
+
+def test_a_weight_two_wrapped_layers_share_is_not_joined(load_base):
+    torch._dynamo.reset()
+    model = wrapped(load_base, seed=11)
+    names = [name for name, _ in model.bem_modules()]
+    q, o = names.index("model.layers.0.self_attn.q_proj"), names.index("model.layers.0.self_attn.o_proj")
+    first, second = model.bem_modules()[q][1], model.bem_modules()[o][1]
+    second.base_layer.weight = first.base_layer.weight  # q and o tied (both 32 x 32 here)
+    graphs = assert_compiled_generate_is_exact(model, *left_padded(seed=12))
+    joints = model._pack.joint_weights.joints
+    assert joints[q] is None and joints[o] is None
+    assert all(joint is not None for index, joint in enumerate(joints) if index not in (q, o))
+    assert first.base_layer.weight is second.base_layer.weight
+    assert first.base_layer.weight.untyped_storage().data_ptr() in graph_storages(graphs)

@@ -69,10 +69,16 @@ class JointWeights:
 
     def refresh(self) -> list[Optional[torch.Tensor]]:
         """Bring every joint buffer up to date with its weight and V; returns them in module order."""
+        # a weight that two wrapped layers share could be the leading rows of only one of their buffers
+        owners: dict[int, int] = {}
+        for module in self._modules:
+            weight = getattr(module._modules.get("base_layer"), "weight", None)
+            owners[id(weight)] = owners.get(id(weight), 0) + 1
         # a normal tensor even inside inference mode: the weight is a view of it and autograd may save it later
         with torch.inference_mode(False), torch.no_grad():
             for index, module in enumerate(self._modules):
-                if not joinable(module):
+                shared = owners[id(getattr(module._modules.get("base_layer"), "weight", None))] > 1
+                if shared or not joinable(module):
                     self.joints[index], self._seen[index] = None, None
                     continue
                 joint = self.joints[index]
