@@ -125,3 +125,18 @@ def test_a_weight_two_wrapped_layers_share_is_not_joined(load_base):
     assert all(joint is not None for index, joint in enumerate(joints) if index not in (q, o))
     assert first.base_layer.weight is second.base_layer.weight
     assert first.base_layer.weight.untyped_storage().data_ptr() in graph_storages(graphs)
+
+
+def test_the_base_saves_and_reloads_with_its_weights_in_joint_buffers(load_base, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = wrapped(load_base, seed=13)
+    ids, mask = left_padded(seed=14)
+    model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    name = model.bem_module_names[0]
+    weight = model.base_model.get_submodule(name).base_layer.weight
+    assert weight.untyped_storage().nbytes() > weight.numel() * weight.element_size()  # in its joint buffer
+    base = model.unload()
+    base.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(reloaded.get_submodule(name).weight, base.get_submodule(name).weight)
