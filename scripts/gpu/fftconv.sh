@@ -48,15 +48,7 @@ if ! build >"$OUT/build.log" 2>&1; then
 fi
 SUMMARY+=("build: $(( $(date +%s) - start )) s${BEM_FFTCONV_DEV_OBJECTS:+ (prebuilt objects)}")
 
-step() {  # step NAME SECONDS COMMAND...
-  local name=$1 limit=$2 begin rc
-  shift 2
-  begin=$(date +%s)
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-  rc=$?
-  SUMMARY+=("$name: exit $rc, $(( $(date +%s) - begin )) s")
-  tail -"${TAIL:-30}" "$OUT/$name.log"
-}
+source "$(dirname "${BASH_SOURCE[0]}")/step.sh"  # step NAME SECONDS COMMAND...
 
 for what in "${@:-tests bench}"; do
   for one in $what; do

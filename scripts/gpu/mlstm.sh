@@ -18,15 +18,7 @@ if ls .whl/mlstm_kernels-*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/mlstm_site${PYTHONPATH:+:$PYTHONPATH}
 fi
 
-step() {  # step NAME SECONDS COMMAND...
-  local name=$1 limit=$2 begin rc
-  shift 2
-  begin=$(date +%s)
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-  rc=$?
-  SUMMARY+=("$name: exit $rc, $(( $(date +%s) - begin )) s")
-  tail -${TAIL:-30} "$OUT/$name.log"
-}
+source "$(dirname "${BASH_SOURCE[0]}")/step.sh"  # step NAME SECONDS COMMAND...
 
 step build 240 python3 -c "from bem.kernels.mlstm import custom_ops; assert custom_ops.extension() is not None, 'no module'"
 for what in "$@"; do

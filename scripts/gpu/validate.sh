@@ -38,15 +38,7 @@ else
   SUMMARY+=("build: $(( $(date +%s) - start )) s")
 fi
 
-step() {  # step NAME SECONDS COMMAND...
-  local name=$1 limit=$2 begin rc
-  shift 2
-  begin=$(date +%s)
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-  rc=$?
-  SUMMARY+=("$name: exit $rc, $(( $(date +%s) - begin )) s")
-  tail -${TAIL:-25} "$OUT/$name.log"
-}
+source "$(dirname "${BASH_SOURCE[0]}")/step.sh"  # step NAME SECONDS COMMAND...
 
 for what in "$@"; do
   case $what in
