@@ -14,6 +14,7 @@ saved from such a model load onto a freshly quantized base, and merging into a q
 
 from __future__ import annotations
 
+import importlib.util
 import tempfile
 from typing import Any, Optional
 
@@ -25,42 +26,49 @@ FOUR_BIT_DEFAULTS = {"quant_type": "nf4", "compute_dtype": "bfloat16", "double_q
 KEYS = ("bits",) + tuple(FOUR_BIT_DEFAULTS)
 
 
+class QuantizationConfigError(ValueError):
+    """A bad `quantization` section: `field` (e.g. model.quantization.bits) and what is wrong with it."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field, self.reason = field, reason
+
+
 def check_quantization(values: Any, field: str = "model.quantization") -> Optional[dict[str, Any]]:
-    """The section with its defaults filled in, or None for no quantization; ValueError naming `field.key` on
-    anything else."""
+    """The section with its defaults filled in, or None for no quantization; QuantizationConfigError naming
+    `field.key` on anything else."""
     if values is None:
         return None
     if not isinstance(values, dict):
-        raise ValueError(f"{field}: must be a mapping (bits, quant_type, compute_dtype, double_quant), "
-                         f"got {type(values).__name__}")
+        raise QuantizationConfigError(field, f"must be a mapping (bits, quant_type, compute_dtype, double_quant), "
+                                             f"got {type(values).__name__}")
     unknown = sorted(set(values) - set(KEYS))
     if unknown:
-        raise ValueError(f"{field}.{unknown[0]}: unknown key; the keys are {', '.join(KEYS)}")
+        raise QuantizationConfigError(f"{field}.{unknown[0]}", f"unknown key; the keys are {', '.join(KEYS)}")
     bits = values.get("bits")
     if bits not in (4, 8) or isinstance(bits, bool):
-        raise ValueError(f"{field}.bits: must be 4 or 8, got {bits!r}")
+        raise QuantizationConfigError(f"{field}.bits", f"must be 4 or 8, got {bits!r}")
     if bits == 8:
         given = sorted(set(values) & set(FOUR_BIT_DEFAULTS))
         if given:
-            raise ValueError(f"{field}.{given[0]}: applies to 4-bit bases only (bits is 8)")
+            raise QuantizationConfigError(f"{field}.{given[0]}", "applies to 4-bit bases only (bits is 8)")
         return {"bits": 8}
     checked = {"bits": 4, **FOUR_BIT_DEFAULTS, **{k: v for k, v in values.items() if k != "bits"}}
     if checked["quant_type"] not in ("nf4", "fp4"):
-        raise ValueError(f"{field}.quant_type: must be 'nf4' or 'fp4', got {checked['quant_type']!r}")
+        raise QuantizationConfigError(f"{field}.quant_type", f"must be 'nf4' or 'fp4', got {checked['quant_type']!r}")
     if checked["compute_dtype"] not in COMPUTE_DTYPES:
-        raise ValueError(f"{field}.compute_dtype: must be one of {', '.join(COMPUTE_DTYPES)}, "
-                         f"got {checked['compute_dtype']!r}")
+        raise QuantizationConfigError(f"{field}.compute_dtype", f"must be one of {', '.join(COMPUTE_DTYPES)}, "
+                                                                f"got {checked['compute_dtype']!r}")
     if not isinstance(checked["double_quant"], bool):
-        raise ValueError(f"{field}.double_quant: must be true or false, got {checked['double_quant']!r}")
+        raise QuantizationConfigError(f"{field}.double_quant",
+                                      f"must be true or false, got {checked['double_quant']!r}")
     return checked
 
 
 def bitsandbytes_config(values: dict[str, Any], field: str = "model.quantization"):
     """transformers' `BitsAndBytesConfig` for a checked section; ImportError naming the package if it is missing."""
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError:
-        raise ImportError(f"{field} needs the bitsandbytes package (pip install 'bem[quantization]')") from None
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ImportError(f"{field} needs the bitsandbytes package (pip install 'bem[quantization]')")
     from transformers import BitsAndBytesConfig
 
     if values["bits"] == 8:

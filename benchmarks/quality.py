@@ -23,6 +23,7 @@ its budget against `bem`'s, and the controller's share of `bem`'s parameters.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -182,8 +183,6 @@ def evaluate(model: nn.Module, suite, settings: Settings, seed: int, device: tor
 
 def run_suite(base: nn.Module, suite_name: str, suite, settings: Settings, seeds: list[int], device: torch.device,
               only: Optional[list[str]], log: Callable[[str], None]) -> list[dict[str, Any]]:
-    import copy
-
     base_copy = lambda: copy.deepcopy(base)  # noqa: E731
     builders = variants(base_copy, settings, suite_name, settings.rank, suite.sequence_length)
     rows, budget = [], None

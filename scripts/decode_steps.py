@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import CompileConfig, LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessorList
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compiled_decode_breakdown import KINDS, kernel_times, per_decoding_step  # noqa: E402
@@ -39,37 +39,20 @@ from bem import create_hierarchical_bem  # noqa: E402
 from bem.profiling.config import load_profile_config  # noqa: E402
 from bem.profiling.models import build_variants, load_base_model  # noqa: E402
 from bem.profiling.timing import warm_up_gpu  # noqa: E402
-from bem.profiling.workloads import random_batches  # noqa: E402
-
-
-class StepEvents(LogitsProcessor):
-    """Records a CUDA event each time generate hands it a step's logits."""
-
-    def __init__(self) -> None:
-        self.events: list[torch.cuda.Event] = []
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        self.events.append(event)
-        return scores
-
-    def step_ms(self) -> list[float]:
-        torch.cuda.synchronize()
-        return [a.elapsed_time(b) for a, b in zip(self.events, self.events[1:])]
+from bem.profiling.workloads import StepTimes, generation, random_batches  # noqa: E402
 
 
 def decoder(model: torch.nn.Module, ids: torch.Tensor, pad: int, mode: str):
-    """generate of `tokens` new tokens, greedy; returns its steps' times when `timed`."""
-    extra: dict[str, Any] = {}
-    if mode == "compiled":
-        extra = {"cache_implementation": "static", "compile_config": CompileConfig()}
+    """run(tokens, timed): greedy generate of `tokens` new tokens (compiled: a static cache and generate's compiled
+    step); with `timed`, the gaps (ms) between successive steps' logits."""
+    backend = "inductor" if mode == "compiled" else None
+    workloads: dict[int, Any] = {}
 
     def run(tokens: int, timed: bool = False) -> list[float]:
-        timer = StepEvents()
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
-                       min_new_tokens=tokens, do_sample=False, use_cache=True, pad_token_id=pad,
-                       logits_processor=LogitsProcessorList([timer]), **extra)
+        if tokens not in workloads:
+            workloads[tokens] = generation(model, [ids], tokens, pad, backend)
+        timer = StepTimes(cuda=True)
+        workloads[tokens](0, logits_processor=LogitsProcessorList([timer]))
         return timer.step_ms() if timed else []
 
     return run

@@ -34,7 +34,6 @@ class AdapterPack:
     def __init__(self, modules: Sequence[nn.Module], joint: bool = True) -> None:
         self._modules = list(modules)
         self.joint_weights: Optional[JointWeights] = JointWeights(self._modules) if joint else None
-        self._joints: list[Optional[torch.Tensor]] = [None] * len(self._modules)
         self.flat: Optional[torch.Tensor] = None
         # (V's offset, K, U's offset, N, r) per module, in module order: constants of the compiled call
         self.layout: tuple[tuple[int, int, int, int, int], ...] = ()
@@ -67,7 +66,7 @@ class AdapterPack:
                 self.joint_weights.release()
             return False
         if self.joint_weights is not None:
-            self._joints = self.joint_weights.refresh()
+            self.joint_weights.refresh()
         layout, size = [], 0
         for m in self._modules:
             (K, r), N = m._parameters["bem_V"].shape, m._parameters["bem_U"].shape[0]
@@ -95,5 +94,6 @@ class AdapterPack:
         """(V, U, joint) of each module: V and U views of the buffer (traced into the compiled call as slices of
         one input), joint its [W; Vᵀ] buffer or None."""
         flat = self.flat
+        joints = self.joint_weights.joints if self.joint_weights is not None else [None] * len(self.layout)
         return [(flat[v_at:v_at + K * r].view(K, r), flat[u_at:u_at + N * r].view(N, r), joint)
-                for (v_at, K, u_at, N, r), joint in zip(self.layout, self._joints)]
+                for (v_at, K, u_at, N, r), joint in zip(self.layout, joints)]

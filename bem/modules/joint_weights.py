@@ -15,6 +15,7 @@ V was written (its version counter) or replaced (its address), as the adapter pa
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Optional, Sequence
 
 import torch
@@ -67,23 +68,19 @@ class JointWeights:
                     weight.data = weight.detach().clone()
         self.release()
 
-    def refresh(self) -> list[Optional[torch.Tensor]]:
-        """Bring every joint buffer up to date with its weight and V; returns them in module order."""
+    def refresh(self) -> None:
+        """Bring every joint buffer (`joints`, in module order) up to date with its weight and V."""
+        weights = [getattr(module._modules.get("base_layer"), "weight", None) for module in self._modules]
         # a weight that two wrapped layers share could be the leading rows of only one of their buffers
-        owners: dict[int, int] = {}
-        for module in self._modules:
-            weight = getattr(module._modules.get("base_layer"), "weight", None)
-            owners[id(weight)] = owners.get(id(weight), 0) + 1
+        owners = Counter(id(weight) for weight in weights if weight is not None)
         # a normal tensor even inside inference mode: the weight is a view of it and autograd may save it later
         with torch.inference_mode(False), torch.no_grad():
-            for index, module in enumerate(self._modules):
-                shared = owners[id(getattr(module._modules.get("base_layer"), "weight", None))] > 1
-                if shared or not joinable(module):
+            for index, (module, weight) in enumerate(zip(self._modules, weights)):
+                if not joinable(module) or owners[id(weight)] > 1:
                     self.joints[index], self._seen[index] = None, None
                     continue
                 joint = self.joints[index]
-                weight = module._modules["base_layer"]._parameters["weight"]
-                if joint is None or weight.data_ptr() != joint.data_ptr() or joint.dtype != weight.dtype:
+                if joint is None or weight.data_ptr() != joint.data_ptr():
                     joint = self._rehome(module, weight)
                     self.joints[index], self._seen[index] = joint, None
                 V = module._parameters["bem_V"].detach()
@@ -92,7 +89,6 @@ class JointWeights:
                     N, r = weight.shape[0], V.shape[1]
                     joint[N:N + r].copy_(V.t())
                     self._seen[index] = (V, V._version)
-        return list(self.joints)
 
     @staticmethod
     def _rehome(module: nn.Module, weight: nn.Parameter) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import Any, Optional, Union
 import yaml
 
 from ..config import MIXERS, HierarchicalBEMConfig, closest_name
-from ..quantization import check_quantization
+from ..quantization import QuantizationConfigError, check_quantization
 from .statistics import repeats_needed
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -288,5 +288,5 @@ def _validate_model(model: ModelSpec) -> None:
     _choice("model.attn_implementation", model.attn_implementation, ATTENTION)
     try:
         model.quantization = check_quantization(model.quantization)
-    except ValueError as err:
+    except QuantizationConfigError as err:
         raise ProfileConfigError(str(err)) from None

@@ -118,7 +118,7 @@ class Profiler:
         gated = kind in self.config.gate and self.label is None
         setting = make_setting(name, kind, shape, unit, values, samples, memory() if memory else None,
                                gated=gated, confidence=self.config.timing.confidence,
-                               stop_reason=stop_reason, seconds=seconds, problem=None)
+                               stop_reason=stop_reason, seconds=seconds)
         self.settings.append(setting)
         # the ratio as soon as it is measured: a run cut off before its report is written keeps it in the log
         overhead = with_interval(setting["bem_overhead"], setting["intervals"].get("bem_overhead"))

@@ -41,23 +41,11 @@ class Clock:
             torch.cuda.synchronize(self.device)
 
     def time_ms(self, fn: Callable[[], Any]) -> float:
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            return self._time_ms(fn)
-        finally:
-            if enabled:
-                gc.enable()
+        return _collector_paused(lambda: self._time_ms(fn))
 
     def self_timed_ms(self, fn: Callable[[], float]) -> float:
         """What `fn` measures of itself (ms), run as `time_ms` runs a call: the garbage collector paused."""
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            return float(fn())
-        finally:
-            if enabled:
-                gc.enable()
+        return float(_collector_paused(fn))
 
     def _time_ms(self, fn: Callable[[], Any]) -> float:
         if self.cuda:
@@ -72,6 +60,16 @@ class Clock:
         begin = time.perf_counter()
         fn()
         return (time.perf_counter() - begin) * 1e3
+
+
+def _collector_paused(fn: Callable[[], Any]) -> Any:
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return fn()
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def warm_up_gpu(device: torch.device, seconds: float) -> int:

@@ -70,7 +70,7 @@ def generation(model: nn.Module, batches: list[torch.Tensor], new_tokens: int, p
     return run
 
 
-class _StepTimes:
+class StepTimes:
     """A logits processor that notes when each step's logits come out: a CUDA event on a GPU (recorded on the
     stream, so a step's time includes the device's idle time waiting for the host, as a user sees it), the host
     clock elsewhere."""
@@ -88,13 +88,15 @@ class _StepTimes:
             self.marks.append(time.perf_counter())
         return scores
 
-    def median_step_ms(self) -> float:
+    def step_ms(self) -> list[float]:
+        """The gaps (ms) between successive steps' logits."""
         if self.cuda:
             self.marks[-1].synchronize()
-            gaps = [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
-        else:
-            gaps = [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
-        return float(statistics.median(gaps))
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
+
+    def median_step_ms(self) -> float:
+        return float(statistics.median(self.step_ms()))
 
 
 def decoding_steps(model: nn.Module, batches: list[torch.Tensor], new_tokens: int, pad_token_id: int,
@@ -109,7 +111,7 @@ def decoding_steps(model: nn.Module, batches: list[torch.Tensor], new_tokens: in
     cuda = next(model.parameters()).is_cuda
 
     def run(index: int) -> float:
-        timer = _StepTimes(cuda)
+        timer = StepTimes(cuda)
         generate(index, logits_processor=LogitsProcessorList([timer]))
         return timer.median_step_ms()
 

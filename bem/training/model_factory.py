@@ -36,18 +36,15 @@ def build_base_model(section: ModelSection, vocab_size: int, saved_base: Optiona
                      device: Union[str, torch.device, None] = None) -> nn.Module:
     """Load `section.path`, else the run's saved fresh model, else initialise the preset at random. With
     `section.quantization` a model loaded from a directory is quantized as it loads; a fresh one is returned in
-    full precision (the run saves it, then `quantize_saved_base` loads it back quantized)."""
+    full precision (the trainer saves it, then loads it back from there, quantized)."""
     from transformers import AutoModelForCausalLM
 
     dtype = DTYPES[section.dtype]
-    kwargs = {"dtype": dtype}
-    if section.attn_implementation:
-        kwargs["attn_implementation"] = section.attn_implementation
+    attention = {"attn_implementation": section.attn_implementation} if section.attn_implementation else {}
+    kwargs = {"dtype": dtype, **attention}
     path = section.path or (str(saved_base) if saved_base is not None and (saved_base / "config.json").is_file() else None)
     if path is not None and section.quantization is not None:
-        target = torch.device(device or "cpu")
-        extra = {"attn_implementation": section.attn_implementation} if section.attn_implementation else {}
-        return load_quantized(path, section.quantization, target, dtype, **extra)
+        return load_quantized(path, section.quantization, torch.device(device or "cpu"), dtype, **attention)
     if path is not None:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
         return model.to(device) if device is not None else model

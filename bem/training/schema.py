@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 from ..config import closest_name
-from ..quantization import check_quantization
+from ..quantization import QuantizationConfigError, check_quantization
 
 # names other trainers use for the same keys, so a habit from elsewhere gets a useful hint
 ALIASES = {"learning_rate": "lr", "num_epochs": "epochs", "num_train_epochs": "epochs",
@@ -59,9 +59,8 @@ class ModelSection:
     def check(self) -> None:
         try:
             self.quantization = check_quantization(self.quantization)
-        except ValueError as err:
-            field, _, message = str(err).partition(": ")
-            raise ConfigError(field, message) from None
+        except QuantizationConfigError as err:
+            raise ConfigError(err.field, err.reason) from None
         if self.path is None and self.architecture is None:
             raise ConfigError("model", "set either 'path' (a local pretrained model) or 'architecture' (a fresh one)")
         if self.path is not None and self.architecture is not None:
