@@ -14,10 +14,16 @@ from setuptools import find_packages, setup
 CSRC = os.path.join("bem", "kernels", "csrc")
 
 
+FAMILIES = ("common", "lowrank", "fftconv", "mlstm")  # csrc/<family>/: each kernel family's sources and binding
+
+
 def kernel_sources() -> list:
-    """Every .cpp and .cu file in the extension's source folder (the just-in-time build takes the same)."""
-    names = sorted(name for name in os.listdir(CSRC) if name.endswith((".cpp", ".cu")))
-    return [os.path.join(CSRC, name) for name in names]
+    """csrc/module.cpp and every .cpp and .cu file of each family's folder (the just-in-time build takes the same)."""
+    sources = [os.path.join(CSRC, "module.cpp")]
+    for family in FAMILIES:
+        folder = os.path.join(CSRC, family)
+        sources += [os.path.join(folder, name) for name in sorted(os.listdir(folder)) if name.endswith((".cpp", ".cu"))]
+    return sources
 
 
 def _use_system_compiler() -> None:
@@ -66,7 +72,7 @@ setup(
     version="0.1.0",
     description="Bolt-on Expert Modules: context-routed low-rank experts for Hugging Face models",
     packages=find_packages(include=["bem", "bem.*"]),
-    package_data={"bem.kernels": ["csrc/*.cpp", "csrc/*.cu", "csrc/*.cuh", "csrc/*.h"]},
+    package_data={"bem.kernels": ["csrc/*.cpp"] + [f"csrc/*/*.{ext}" for ext in ("cpp", "cu", "cuh", "h")]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",

@@ -1,4 +1,4 @@
-"""A lane-level numpy model of the tensor-core fftconv forward (bem/kernels/csrc/fftconv_tc.cu), checked against a float64
+"""A lane-level numpy model of the tensor-core fftconv forward (bem/kernels/csrc/fftconv/fftconv_tc.cu), checked against a float64
 direct convolution: the same stages, positions, fragment layouts (ldmatrix / stmatrix / mma.m16n8k16 as the PTX
 manual gives them), twiddle tables, spectrum order and roundings to float16. Its purpose is the kernel's index
 algebra, before any device time; it also prints the error against PyTorch's rfft path in the same dtype. (The

@@ -1,4 +1,4 @@
-"""The mLSTM forward kernels (bem/kernels/csrc/mlstm_states.cu, mlstm_outputs in mlstm_forward.cu) emulated in
+"""The mLSTM forward kernels (bem/kernels/csrc/mlstm/mlstm_states.cu, mlstm_outputs in mlstm_forward.cu) emulated in
 float32 with numpy, each sum in the CUDA code's order and rounding (FMA: one rounding per step), to find
 where their float32 error against the float64 reference comes from. No GPU needed.
 

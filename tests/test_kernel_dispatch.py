@@ -273,19 +273,24 @@ def test_setup_skips_the_extension_when_told(tmp_path):
 
 
 def test_setup_and_the_jit_build_compile_every_kernel_source():
-    """setup.py and the just-in-time build take the same sources: every .cpp and .cu file of csrc/."""
+    """setup.py and the just-in-time build take the same sources: every .cpp and .cu file under csrc/, each
+    family's from its own folder, and nothing else lies loose in csrc/."""
     from pathlib import Path
 
     from bem.kernels import loader
 
     csrc = Path(loader.__file__).parent / "csrc"
-    on_disk = sorted(p.name for p in csrc.iterdir() if p.suffix in (".cpp", ".cu"))
-    assert loader.SOURCES == on_disk and "gemm_update.cu" in on_disk and "bindings.cpp" in on_disk
+    on_disk = sorted(str(p.relative_to(csrc)) for p in csrc.rglob("*") if p.suffix in (".cpp", ".cu"))
+    assert sorted(loader.SOURCES) == on_disk
+    assert {"lowrank/gemm_update.cu", "lowrank/bindings.cpp", "fftconv/fftconv_bindings.cpp",
+            "mlstm/mlstm_bindings.cpp", "module.cpp"} <= set(on_disk)
+    assert sorted(p.name for p in csrc.iterdir() if p.is_file()) == ["module.cpp"]
+    assert sorted(p.name for p in csrc.iterdir() if p.is_dir()) == sorted(loader.FAMILIES)
     code = (
         "import runpy, setuptools\n"
         "setuptools.setup = lambda **kw: None\n"
         "names = runpy.run_path('setup.py')['kernel_sources']()\n"
-        "print(','.join(sorted(n.rsplit('/', 1)[-1] for n in names)))\n"
+        "print(','.join(sorted(n.split('csrc/', 1)[1] for n in names)))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
                          cwd=str(Path(__file__).parents[1]), env={**__import__("os").environ, "BEM_BUILD_CUDA": "0"})

@@ -19,8 +19,16 @@ from typing import Optional
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-# Every .cpp and .cu file of csrc/, as setup.py builds them.
-SOURCES = sorted(path.name for path in CSRC.iterdir() if path.suffix in (".cpp", ".cu"))
+FAMILIES = ("common", "lowrank", "fftconv", "mlstm")  # csrc/<family>/, as setup.py lists them
+
+
+def family_sources(family: str) -> list[str]:
+    """The .cpp and .cu files of one kernel family's folder, relative to csrc/, in name order."""
+    return [f"{family}/{path.name}" for path in sorted((CSRC / family).iterdir()) if path.suffix in (".cpp", ".cu")]
+
+
+# csrc/module.cpp (the module's entry) and every family's sources, as setup.py builds them.
+SOURCES = ["module.cpp"] + [name for family in FAMILIES for name in family_sources(family)]
 NVCC_FLAGS = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]
 CXX_FLAGS = ["-O3", "-std=c++17"]
 

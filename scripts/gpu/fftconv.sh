@@ -14,7 +14,7 @@ NVCC_FLAGS=(-gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --use_fast_math
 
 if [ "$1" = objects ]; then
   rm -rf .fftconv_objects && mkdir -p .fftconv_objects
-  for source in bem/kernels/csrc/fftconv*.cu; do
+  for source in bem/kernels/csrc/fftconv/*.cu; do
     name=$(basename "$source" .cu)
     nvcc "${NVCC_FLAGS[@]}" -Xptxas -v -c "$source" -o ".fftconv_objects/$name.o" >".fftconv_objects/$name.log" 2>&1 &
   done

@@ -133,7 +133,7 @@ def _backward_kernels(M, x_grad, r=8, K=64, N=32):
 @pytest.mark.parametrize("x_grad", [True, False])
 def test_eager_backward_takes_the_decode_kernels_up_to_64_rows(x_grad):
     """The C++ backward's choice, seen in the kernels it ran: the decode-size kernels (grads_u_kernel and
-    grads_v_kernel, csrc/lowrank_grads.cu) at 64 rows, not at 65."""
+    grads_v_kernel, csrc/lowrank/lowrank_grads.cu) at 64 rows, not at 65."""
     def decode_ran(names):
         return any("grads_u_kernel" in name for name in names) and any("grads_v_kernel" in name for name in names)
 

@@ -43,7 +43,8 @@ def _dev_module() -> Optional[ModuleType]:
     from torch.utils.cpp_extension import load
 
     root = Path(__file__).resolve().parents[3]
-    bindings = [str(loader.CSRC / name) for name in ("fftconv_bindings.cpp", "fftconv_tiled_ops.cpp")]
+    sources = [str(loader.CSRC / name) for name in loader.family_sources("fftconv")]
+    bindings = [source for source in sources if source.endswith(".cpp")]
     bindings.append(str(root / "scripts" / "fftconv_dev_module.cpp"))
     verbose = os.environ.get("BEM_JIT_VERBOSE") == "1"
     objects = os.environ.get("BEM_FFTCONV_DEV_OBJECTS")
@@ -51,12 +52,12 @@ def _dev_module() -> Optional[ModuleType]:
         prebuilt = sorted(str(p) for p in Path(objects).glob("fftconv*.o"))
         return load(name="bem_fftconv_dev_objects", sources=bindings, extra_cflags=loader.CXX_FLAGS,
                     extra_ldflags=prebuilt, with_cuda=True, verbose=verbose)
-    sources = sorted(str(p) for p in loader.CSRC.glob("fftconv*.cu")) + bindings
     # BEM_FFTCONV_DEV_NVCC_FLAGS: extra nvcc flags (a kernel variant's -D switches), built under a name of
     # their own so that variants do not rebuild each other
     extra = os.environ.get("BEM_FFTCONV_DEV_NVCC_FLAGS", "").split()
     name = "bem_fftconv_dev" + "".join("_" + "".join(c for c in flag if c.isalnum()) for flag in extra)
-    return load(name=name, sources=sources, extra_cflags=loader.CXX_FLAGS,
+    kernels = [source for source in sources if source.endswith(".cu")]
+    return load(name=name, sources=kernels + bindings, extra_cflags=loader.CXX_FLAGS,
                 extra_cuda_cflags=loader.NVCC_FLAGS + extra, verbose=verbose)
 
 

@@ -41,13 +41,14 @@ _found: object = _NOT_LOOKED
 def _build_dev_module() -> ModuleType:
     from torch.utils.cpp_extension import load
 
+    from .. import loader
+
     root = Path(__file__).resolve().parents[3]
-    csrc = root / "bem" / "kernels" / "csrc"
-    sources = sorted(str(p) for p in csrc.iterdir() if p.name.startswith("mlstm") and p.suffix in (".cu", ".cpp"))
+    sources = [str(loader.CSRC / name) for name in loader.family_sources("mlstm")]
     return load(name="bem_mlstm_dev", sources=sources + [str(root / "scripts" / "mlstm_dev_module.cpp")],
                 extra_cflags=["-O3", "-std=c++17"], extra_cuda_cflags=["-O3", "-std=c++17", "--use_fast_math",
                                                                        "-lineinfo"],
-                extra_include_paths=[str(csrc)], verbose=os.environ.get("BEM_JIT_VERBOSE") == "1")
+                verbose=os.environ.get("BEM_JIT_VERBOSE") == "1")
 
 
 def extension() -> Optional[ModuleType]:

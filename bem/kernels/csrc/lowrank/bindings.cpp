@@ -1,6 +1,7 @@
-// Torch bindings of the BEM kernels: the forward's choice between the decode kernels and the GEMM +
-// update paths, and allocation; the module bem._C (the backward's own ops are in backward_ops.cpp, the
-// GEMM with the update inside in gemm_update_ops.cpp, the eager autograd function in linear_autograd.cpp).
+// Torch bindings of the low-rank update's kernels: the forward's choice between the decode kernels and the
+// GEMM + update paths, and allocation (the backward's own ops are in backward_ops.cpp, the GEMM with the update
+// inside in gemm_update_ops.cpp, the eager autograd function in linear_autograd.cpp). ../module.cpp makes the
+// module bem._C of every family's bindings.
 #include <torch/extension.h>
 
 #include <c10/cuda/CUDAException.h>
@@ -11,18 +12,15 @@
 #include <vector>
 
 #include "backward_ops.h"
-#include "device_info.h"
+#include "../common/device_info.h"
 #include "gemm_update_ops.h"
 #include "launchers.h"
 #include "projection.h"
-#include "torch_checks.h"
+#include "host_checks.h"
 #include "update_ops.h"
 
 namespace bem {
-// Each further op family binds its functions from its own file (fftconv_bindings.cpp, mlstm_bindings.cpp).
-void bind_fftconv(pybind11::module_& m);
 void bind_linear_autograd(pybind11::module_& m);
-void bind_mlstm(pybind11::module_& m);
 
 namespace {
 
@@ -446,8 +444,9 @@ bool fused_gemm_available() {
 }  // namespace
 }  // namespace bem
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "BEM fused generated-update kernels";
+namespace bem {
+
+void bind_lowrank(pybind11::module_& m) {
   m.def("update_forward", &bem::update_forward, "(Y, P) = (s ((x V) ⊙ codes) U^T, x V)", py::arg("x"),
         py::arg("V"), py::arg("codes"), py::arg("U"), py::arg("scaling"), py::arg("kernel") = 0,
         py::arg("stream_tokens") = 0, py::arg("stream_cluster") = 0);
@@ -481,7 +480,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("DECODE_MAX_TOKENS") = bem::kDecodeMaxTokens;
   m.attr("DECODE_AUTO_MAX_TOKENS") = bem::kDecodeAutoMaxTokens;
   m.attr("MAX_FUSED_RANK") = bem::kMaxFusedRank;
-  bem::bind_fftconv(m);
   bem::bind_linear_autograd(m);
-  bem::bind_mlstm(m);
 }
+
+}  // namespace bem

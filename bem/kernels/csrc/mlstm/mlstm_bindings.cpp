@@ -16,9 +16,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "device_info.h"
+#include "../common/device_info.h"
 #include "mlstm_launchers.h"
-#include "torch_checks.h"
+#include "../common/torch_checks.h"
 
 namespace bem {
 namespace {

@@ -6,7 +6,7 @@
 #include <utility>
 
 #include "launchers.h"
-#include "torch_checks.h"
+#include "host_checks.h"
 
 namespace bem {
 

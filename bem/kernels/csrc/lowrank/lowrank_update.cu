@@ -4,7 +4,7 @@
 // cores and keeps P = A B (32 x r) on chip; phase 2 multiplies the scaled, code-modulated P by U^T one
 // 128-column tile at a time and writes (or accumulates into) Y. A is read once and Y written once,
 // so the kernel runs at memory speed. float/double take a simple CUDA-core path (gradcheck, fp32).
-#include "common.cuh"
+#include "../common/common.cuh"
 #include "launchers.h"
 
 namespace bem {

@@ -1,5 +1,5 @@
-// What the bindings ask of the device: multiprocessors, compute capability, shared memory, whether sm_90a code
-// runs.
+// What the bindings ask of the device: multiprocessors, compute capability, shared memory, whether a CUDA
+// graph is being captured.
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
@@ -8,7 +8,6 @@
 #include <utility>
 #include <vector>
 
-#include "launchers.h"
 #include "torch_checks.h"
 
 namespace bem {
@@ -43,14 +42,6 @@ inline int cc_major(int device) { return device_attribute(cudaDevAttrComputeCapa
 // The shared memory a block may opt in to (the fftconv kernels of long rows need more than the default 48 KB).
 inline int shared_memory_optin(int device) {
   return device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-}
-
-// Whether this build has its sm_90a kernels (the GEMM with the update inside, the TMA update kernel)
-// for the device: sm_90a code on a compute capability 9.0 GPU.
-inline bool sm90a_runs(int device) {
-  bool supported = false;
-  C10_CUDA_CHECK(gemm_update_supported(device, stream_now(), &supported));
-  return supported;
 }
 
 // Whether the current stream is being captured into a CUDA graph: a replay does not pay the host's time

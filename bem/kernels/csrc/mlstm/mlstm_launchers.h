@@ -11,7 +11,7 @@
 
 #include <cstdint>
 
-#include "launchers.h"
+#include "../common/dtype.h"
 
 namespace bem {
 

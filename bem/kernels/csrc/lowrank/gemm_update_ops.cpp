@@ -8,10 +8,10 @@
 #include <atomic>
 #include <string>
 
-#include "device_info.h"
+#include "../common/device_info.h"
 #include "launchers.h"
 #include "projection.h"
-#include "torch_checks.h"
+#include "host_checks.h"
 
 namespace bem {
 namespace {

@@ -6,8 +6,8 @@
 
 #include <cooperative_groups.h>
 
-#include "common.cuh"
-#include "l2_prefetch.cuh"
+#include "../common/common.cuh"
+#include "../common/l2_prefetch.cuh"
 #include "launchers.h"
 
 namespace bem {

@@ -16,7 +16,7 @@
 #include "backward_ops.h"
 #include "gemm_update_ops.h"
 #include "launchers.h"
-#include "torch_checks.h"
+#include "host_checks.h"
 #include "update_ops.h"
 
 namespace bem {

@@ -5,7 +5,7 @@
 // adds the update with the whole X V and the bias, and writes Y.
 #pragma once
 
-#include "common.cuh"
+#include "../common/common.cuh"
 #include "launchers.h"
 
 namespace bem {

@@ -14,7 +14,7 @@
 // in a fixed order through distributed shared memory, and each then expands its own slice of Y's columns.
 #include <cooperative_groups.h>
 
-#include "common.cuh"
+#include "../common/common.cuh"
 #include "launchers.h"
 #include "lowrank_project.cuh"
 

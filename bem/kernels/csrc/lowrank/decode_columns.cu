@@ -16,7 +16,7 @@
 
 #include <cooperative_groups.h>
 
-#include "common.cuh"
+#include "../common/common.cuh"
 #include "decode_columns_end.cuh"
 #include "launchers.h"
 

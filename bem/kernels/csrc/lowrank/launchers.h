@@ -1,16 +1,14 @@
-// Host-side entry points of the kernels, in plain CUDA types (the torch bindings live in bindings.cpp).
+// Host-side entry points of the low-rank update's kernels, in plain CUDA types (the torch bindings live in
+// bindings.cpp).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "../common/dtype.h"
+
 namespace bem {
-
-// 16-byte loads and stores need 16-byte aligned addresses.
-inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
-
-enum class DType { kHalf, kBFloat16, kFloat, kDouble };
 
 // Largest rank the tensor-core kernels take (r is padded up to 16, 32, 64 or 128).
 constexpr int kMaxFusedRank = 128;

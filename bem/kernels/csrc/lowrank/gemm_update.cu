@@ -22,7 +22,7 @@
 // Conv1D layout or the backward's W) comes in as BN / 64 boxes of 64 k-rows by 64 columns, N-major, which
 // wgmma reads transposed. Measured on the way (M = 16384, 4096², r = 8): cp.async copies
 // into an unswizzled layout reached 200 TFLOP/s with L2 at 89% of its throughput; TMA, 530.
-#include "common.cuh"
+#include "../common/common.cuh"
 #include "launchers.h"
 #include "tma.cuh"
 #include "wgmma.cuh"

@@ -15,7 +15,7 @@
 #include <tuple>
 #include <type_traits>
 
-#include "launchers.h"
+#include "dtype.h"
 
 namespace bem {
 

@@ -11,10 +11,10 @@
 #include <optional>
 #include <vector>
 
-#include "device_info.h"
+#include "../common/device_info.h"
 #include "gemm_update_ops.h"
 #include "launchers.h"
-#include "torch_checks.h"
+#include "host_checks.h"
 #include "update_ops.h"
 
 namespace bem {

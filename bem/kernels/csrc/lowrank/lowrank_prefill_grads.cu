@@ -15,7 +15,7 @@
 //   counter the coefficient kernel zeroed) sums them in run order, so the result does not depend on timing.
 #include <type_traits>
 
-#include "common.cuh"
+#include "../common/common.cuh"
 #include "launchers.h"
 #include "lowrank_project.cuh"
 

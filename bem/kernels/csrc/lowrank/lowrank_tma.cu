@@ -14,7 +14,7 @@
 // While the writers write tile t's Y, the reader reads tile t + 1's A; two writers, because one block's
 // steps (wait for U, wgmma, staging, barriers, store) are a chain of latencies that one warpgroup alone
 // left exposed.
-#include "common.cuh"
+#include "../common/common.cuh"
 #include "launchers.h"
 #include "tma.cuh"
 #include "wgmma.cuh"

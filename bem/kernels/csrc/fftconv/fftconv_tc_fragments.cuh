@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-#include "common.cuh"
+#include "../common/common.cuh"
 #include "fftconv_block.cuh"
 
 namespace bem {

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "device_info.h"
+#include "../common/device_info.h"
 #include "fftconv.h"
 
 namespace bem {

@@ -48,7 +48,7 @@
 
 #include <cstdint>
 
-#include "l2_prefetch.cuh"
+#include "../common/l2_prefetch.cuh"
 
 namespace bem {
 namespace fftconv {

@@ -7,7 +7,7 @@
 // tile into the same k-map, each serving the block's MT row tiles.
 #pragma once
 
-#include "common.cuh"
+#include "../common/common.cuh"
 
 namespace bem {
 

@@ -8,7 +8,7 @@
 // K can add its partial s * ((X V)_part ⊙ c) U^T to its partial result; the last block of a tile to
 // finish (counted in a device-side counter that it resets) sums the splits in a fixed order and adds
 // the bias. Tile column 0 also reduces X V itself, which the backward reuses.
-#include "common.cuh"
+#include "../common/common.cuh"
 #include "launchers.h"
 
 namespace bem {

@@ -10,7 +10,7 @@
 // C's columns; one more block writes dcodes. Nothing else waits across blocks. The coefficients
 // s (P|G) ⊙ c are rounded to the operands' dtype, as the composed PyTorch backward does; G and dcodes
 // stay fp32 until written. Before these two, the composed backward was about twenty small launches.
-#include "common.cuh"
+#include "../common/common.cuh"
 #include "launchers.h"
 
 namespace bem {

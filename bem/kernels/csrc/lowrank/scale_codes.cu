@@ -6,7 +6,7 @@
 //   where composed PyTorch took nine elementwise launches.
 #include <algorithm>
 
-#include "common.cuh"
+#include "../common/common.cuh"
 #include "launchers.h"
 
 namespace bem {
