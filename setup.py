@@ -14,7 +14,7 @@ from setuptools import find_packages, setup
 CSRC = os.path.join("bem", "kernels", "csrc")
 
 
-FAMILIES = ("common", "lowrank", "fftconv", "mlstm")  # csrc/<family>/: each kernel family's sources and binding
+FAMILIES = ("common", "lowrank", "fftconv", "mlstm", "quant")  # csrc/<family>/: each kernel family's sources and binding
 
 
 def kernel_sources() -> list:

@@ -1,5 +1,5 @@
 """Benchmark of the BEM linear: `python -m bem.kernels.bench [--quick] [--json FILE]`
-(`--fftconv` and `--mlstm` run the sequence mixers' kernel benchmarks instead).
+(`--fftconv` and `--mlstm` run the sequence mixers' kernel benchmarks instead, `--quant4` the 4-bit linear's).
 
 For each shape, in one process and interleaved: plain `F.linear`, the PEFT-style LoRA pattern
 (`F.linear(x, W, b) + (x A^T) B^T * s`), the BEM reference path, and the fused kernels (the default
@@ -254,8 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     import sys
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    for flag, family in (("--fftconv", "fftconv"), ("--mlstm", "mlstm")):
-        if flag in argv:  # the sequence mixers' kernels have benchmarks of their own
+    for flag, family in (("--fftconv", "fftconv"), ("--mlstm", "mlstm"), ("--quant4", "quant")):
+        if flag in argv:  # the sequence mixers' and the quantized linears' kernels have benchmarks of their own
             argv.remove(flag)
             from importlib import import_module
 

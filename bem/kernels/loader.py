@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-FAMILIES = ("common", "lowrank", "fftconv", "mlstm")  # csrc/<family>/, as setup.py lists them
+FAMILIES = ("common", "lowrank", "fftconv", "mlstm", "quant")  # csrc/<family>/, as setup.py lists them
 
 
 def family_sources(family: str) -> list[str]:

@@ -16,6 +16,7 @@ import torch.nn as nn
 from transformers.pytorch_utils import Conv1D
 
 from ..kernels import ops
+from ..kernels.quant import ops as quant_ops
 from .joint_weights import joint_linear
 
 if TYPE_CHECKING:
@@ -228,9 +229,14 @@ def _forward_checked(module: BEMLinear, spec: tuple, x: torch.Tensor, codes: Opt
         codes = module._reshape_codes(codes, x)
     if torch.is_autocast_enabled("cuda") if x.is_cuda else torch.is_autocast_enabled(x.device.type):
         return module._forward_autocast(x, codes)
-    _, scaling, _, owns_product, has_dropout, _ = spec
+    _, scaling, _, owns_product, has_dropout, use_fused = spec
     params = module._parameters
     V, U, joint = packed if packed is not None else (params["bem_V"], params["bem_U"], None)
+    if not owns_product and use_fused and not (has_dropout and module.training):
+        # a 4-bit bitsandbytes layer at decode sizes: its packed weight and the update in one kernel
+        y = quant_ops.fused_linear(module._modules["base_layer"], x, V, codes, U, scaling)
+        if y is not None:
+            return y
     if x.dtype != V.dtype or (has_dropout and module.training) or not owns_product:
         return module._forward_base_plus_update(x, codes, V.dtype)
     if codes is not None and codes.dtype != V.dtype:

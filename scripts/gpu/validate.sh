@@ -5,7 +5,7 @@
 #        [mixer-tests] [mixer-errors]
 #        [fftconv-bench] [mlstm-bench] [mlstm-tests] [training-tests] [sweep] [profile] [train] [train-sweep] [breakdown]
 #        [prefill-breakdown] [compiled-breakdown] [controller-profile] [host-cost] [host-cost-ranks] [gemm-tests] [decode-tests] [train-repeat-probe] [inference-tests] [eager-sweep] [compiled-sweep] [compiled-sweep-pack-off] [compiled-host] [warmup-probe]
-#        [decode-steps] [tma-tests] [bench] [bench-shapes] [mode-sweep] [conv1d-sweep] [decode-split-sweep] [conv1d-split-sweep] [backward-sweep] [sass] [ncu] [cpu-tests]   (bench-shapes reads
+#        [decode-steps] [sass-compare] [quant4-tests] [quant4-bench] [nf4-profile] [tma-tests] [bench] [bench-shapes] [mode-sweep] [conv1d-sweep] [decode-split-sweep] [conv1d-split-sweep] [backward-sweep] [sass] [ncu] [cpu-tests]   (bench-shapes reads
 #        BENCH_SHAPES, e.g. 1x4096x4096x8,...; the sweeps read SWEEP_SHAPES the same way, or sweep their
 #        default shapes; prefill-breakdown reads BREAKDOWN_MODEL: llama-1b or gpt2; sweep reads SWEEP_CONFIGS,
 #        comma-separated profile names, default all; train-sweep reads TRAIN_CONFIGS, space-separated;
@@ -26,7 +26,12 @@ if [ -n "${NEWEST:-}" ] && ls .whl/transformers-*.whl >/dev/null 2>&1; then  # N
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/newest_site \
     .whl/transformers-*.whl && export PYTHONPATH=/tmp/newest_site${PYTHONPATH:+:$PYTHONPATH}
 fi
+if [ -f .whl/bnb_site.tar.gz ]; then  # bitsandbytes (its package, CPU and CUDA 13.0 libraries), when carried
+  mkdir -p /tmp/bnb_site && tar xzf .whl/bnb_site.tar.gz -C /tmp/bnb_site \
+    && export PYTHONPATH=/tmp/bnb_site${PYTHONPATH:+:$PYTHONPATH}
+fi
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+python3 -c "import bitsandbytes; print('bitsandbytes', bitsandbytes.__version__)" 2>/dev/null || echo "no bitsandbytes"
 
 start=$(date +%s)
 if [ -n "${KEEP_BUILD:-}" ] && ls bem/_C*.so >/dev/null 2>&1; then  # a second run in the same call
@@ -43,7 +48,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/step.sh"  # step NAME SECONDS COMMAND...
 for what in "$@"; do
   case $what in
     probe) step probe 120 python3 scripts/exception_probe.py ;;
-    gpu-tests) step gpu_tests 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu \
+    gpu-tests) step gpu_tests ${GPU_TESTS_LIMIT:-240} python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu \
         --ignore=tests/gpu/test_kernel_errors.py ;;
     # each GPU test file in a process of its own: a crash in one cannot fail the files after it
     # ISOLATED_FILES: only these (space-separated names, e.g. "test_mlstm test_wrapped_model")
@@ -161,6 +166,14 @@ yaml.safe_dump(config, open(f"/tmp/compiled_configs/profile_{name}.yaml", "w"), 
         ${CONTROLLER_CONFIGS:+--configs $CONTROLLER_CONFIGS} ${CONTROLLER_BEFORE:+--before "$CONTROLLER_BEFORE"} \
         --json "$OUT/controller_profile.json" ;;
     # decoding timed step by step (scripts/decode_steps.py): DECODE_CONFIGS (profile names), DECODE_ARGS (its flags)
+    # the SASS of every kernel against a build of SASS_BEFORE (a tree or a .tar.gz of bem/ and setup.py)
+    sass-compare) step sass_compare ${SASS_LIMIT:-240} bash scripts/gpu/sass_compare.sh "${SASS_BEFORE:-.whl/before_split.tar.gz}" ;;
+    # the 4-bit linear: its GPU tests, and the CPU tests that need bitsandbytes
+    quant4-tests) step quant4_tests ${QUANT4_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider -rf --tb=short \
+        tests/gpu/test_quant4_kernel.py tests/test_quant4_layout.py tests/test_quantized_bases.py ;;
+    quant4-bench) step quant4_bench ${QUANT4_BENCH_LIMIT:-200} python3 -m bem.kernels.bench --quant4 --json "$OUT/quant4_bench.json" ;;
+    nf4-profile) step nf4_profile ${NF4_LIMIT:-300} python3 profile.py --config configs/profile_qwen2_0.5b_nf4.yaml \
+        --repeats ${NF4_REPEATS:-5} --output-dir "$OUT/nf4" ;;
     decode-steps) step "decode_steps${DECODE_TAG:+_$DECODE_TAG}" ${DECODE_LIMIT:-400} env PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} \
         python3 scripts/decode_steps.py $(for c in ${DECODE_CONFIGS:-llama_1b}; do echo --config "configs/profile_$c.yaml"; done) \
         ${DECODE_ARGS:-} --json "$OUT/decode_steps${DECODE_TAG:+_$DECODE_TAG}.json" ;;

@@ -1,0 +1,120 @@
+"""When a wrapped 4-bit layer's call takes the fused kernel, and what the kernel is handed.
+
+The kernel takes inference calls (no gradient wanted) of up to 4 rows (up to `QUANT4_DECODE_MAX_TOKENS` on weights of
+at most `WIDE_ROWS_MAX_VALUES` values) in float16 or bfloat16 on CUDA, outside torch.compile, of a bitsandbytes `Linear4bit` whose compute dtype is x's, stored as uint8
+(not FSDP's float storage), with K a multiple of 32. Everything else returns None: the caller runs the layer as
+it is and adds the update beside it."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from .. import custom_ops
+from .reference import Quant4Weight
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def quant4_weight(layer: nn.Module) -> Optional[Quant4Weight]:
+    """The 4-bit weight of a bitsandbytes `Linear4bit` as the kernel reads it, or None for any other layer (or a
+    state this code does not recognise: it fails closed)."""
+    weight = getattr(layer, "weight", None)
+    state = getattr(weight, "quant_state", None)
+    if state is None or type(weight).__name__ != "Params4bit" or weight.dtype != torch.uint8:
+        return None
+    shape = tuple(getattr(state, "shape", ()) or ())
+    code, absmax, blocksize = getattr(state, "code", None), getattr(state, "absmax", None), getattr(state, "blocksize", 0)
+    if len(shape) != 2 or code is None or absmax is None or code.numel() != 16 or not isinstance(blocksize, int):
+        return None
+    N, K = shape
+    if weight.numel() * 2 != N * K:
+        return None
+    nested = getattr(state, "nested", False)
+    state2 = getattr(state, "state2", None) if nested else None
+    if nested and state2 is None:
+        return None
+    offset = getattr(state, "offset", None)
+    return Quant4Weight(
+        packed=weight.data, absmax=absmax, code=code, blocksize=blocksize, out_features=N, in_features=K,
+        absmax2=None if state2 is None else state2.absmax, code2=None if state2 is None else state2.code,
+        offset=float(offset) if offset is not None else 0.0, blocksize2=0 if state2 is None else int(state2.blocksize))
+
+
+# Each layer's weight as the kernel reads it, and the key it was read under: reading it anew each call would cost
+# host time, and the double-quantization offset (a device scalar) a synchronisation
+_KEPT: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Optional[Quant4Weight]]]" = weakref.WeakKeyDictionary()
+_MAX_TOKENS: list[int] = []
+
+
+def kept_weight(layer: nn.Module) -> Optional[Quant4Weight]:
+    """`quant4_weight(layer)`, read again only when the layer's weight or its quantization state was replaced."""
+    weight = getattr(layer, "weight", None)
+    state = getattr(weight, "quant_state", None)
+    key = (None if weight is None else weight.data_ptr(), id(state),
+           None if state is None else getattr(getattr(state, "absmax", None), "data_ptr", lambda: None)())
+    kept = _KEPT.get(layer)
+    if kept is None or kept[0] != key:
+        kept = (key, quant4_weight(layer))
+        _KEPT[layer] = kept
+    return kept[1]
+
+
+def _max_tokens() -> int:
+    if not _MAX_TOKENS:
+        found = custom_ops.extension()
+        if found is None:
+            return 0
+        _MAX_TOKENS.append(int(getattr(found, "QUANT4_DECODE_MAX_TOKENS", 0)))
+    return _MAX_TOKENS[0]
+
+
+def takes(layer: nn.Module, x: Tensor, V: Tensor, U: Tensor, codes: Optional[Tensor]) -> bool:
+    """Whether the fused kernel takes this call (see the module's docstring)."""
+    if not x.is_cuda or x.dtype not in KERNEL_DTYPES or V.dtype != x.dtype or U.dtype != x.dtype:
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or V.requires_grad or U.requires_grad
+                                    or (codes is not None and codes.requires_grad)):
+        return False
+    compute_dtype = getattr(layer, "compute_dtype", None)
+    if compute_dtype is not None and compute_dtype != x.dtype:
+        return False
+    rows = x.numel() // max(x.shape[-1], 1)
+    return 0 < rows <= _max_tokens() and x.shape[-1] % 32 == 0
+
+
+# Above 4 rows the kernel's CUDA-core products cost more than bitsandbytes' dequantize-and-GEMM plus the update on
+# large weights (H200, eager, 16 rows: 4096 x 14336 took 224 µs against 122, 4096 x 4096 81 against 169), so it
+# takes 5-16 rows only up to this many weight values.
+WIDE_ROWS_MAX_VALUES = 4096 * 4096
+
+
+def takes_shape(rows: int, weight: Quant4Weight) -> bool:
+    return rows <= 4 or weight.out_features * weight.in_features <= WIDE_ROWS_MAX_VALUES
+
+
+def fused_linear(layer: nn.Module, x: Tensor, V: Tensor, codes: Optional[Tensor], U: Tensor,
+                 scaling: float) -> Optional[Tensor]:
+    """layer(x) + s ((x V) ⊙ codes) Uᵀ from one kernel, or None where the kernel does not take the call."""
+    if not takes(layer, x, V, U, codes):
+        return None
+    weight = kept_weight(layer)
+    if weight is None or weight.in_features != x.shape[-1] or weight.packed.device != x.device:
+        return None
+    if not takes_shape(x.numel() // weight.in_features, weight):
+        return None
+    bias = getattr(layer, "bias", None)
+    if bias is not None:
+        bias = bias.to(x.dtype)
+    x2 = x.reshape(-1, weight.in_features).contiguous()
+    codes2 = None if codes is None else codes.reshape(x2.shape[0], -1).to(x.dtype).contiguous()
+    y = custom_ops.extension().quant4_linear_decode(
+        x2, weight.packed, weight.absmax, weight.code, weight.absmax2, weight.code2, weight.offset, weight.blocksize,
+        weight.blocksize2, weight.out_features, bias, V.contiguous(), codes2, U.contiguous(), float(scaling))
+    return y.reshape(*x.shape[:-1], weight.out_features)
