@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compiled_decode_breakdown import KINDS, kernel_times, per_decoding_step  # noqa: E402
 
 from bem import create_hierarchical_bem  # noqa: E402
+from bem.io_utils import atomic_write_json  # noqa: E402
 from bem.profiling.config import load_profile_config  # noqa: E402
 from bem.profiling.models import build_variants, load_base_model  # noqa: E402
 from bem.profiling.timing import warm_up_gpu  # noqa: E402
@@ -124,7 +124,7 @@ def measure(config_path: str, batches: list[int], modes: list[str], names: list[
                 for kernel, micros in row.get("top_kernels_us", []):
                     print(f"    {micros:8.1f} µs  {kernel}", flush=True)
                 if json_path:  # row by row: a call cut off keeps what it measured
-                    Path(json_path).write_text(json.dumps(done + rows, indent=1))
+                    atomic_write_json(json_path, done + rows)
     del models
     torch.cuda.empty_cache()
     return rows

@@ -26,12 +26,9 @@ def quantized(N: int, K: int, quant_type: str, nested: bool, blocksize: int = 64
 
 
 def as_weight(packed, state) -> reference.Quant4Weight:
-    N, K = state.shape
-    nested = state.nested
-    return reference.Quant4Weight(
-        packed=packed, absmax=state.absmax, code=state.code, blocksize=state.blocksize, out_features=N, in_features=K,
-        absmax2=state.state2.absmax if nested else None, code2=state.state2.code if nested else None,
-        offset=float(state.offset) if nested else 0.0, blocksize2=state.state2.blocksize if nested else 0)
+    weight = quant_ops.weight_from_state(packed, state)
+    assert weight is not None
+    return weight
 
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])

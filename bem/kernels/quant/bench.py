@@ -50,16 +50,8 @@ def _variants(M: int, K: int, N: int) -> dict[str, Callable[[], object]]:
         "4-bit base": lambda: layer(x),
         "base + update": lambda: layer(x) + lowrank_ops.generated_update(x, V, codes, U, 2.0, True),
         "QLoRA": lambda: layer(x) + torch.nn.functional.linear(torch.nn.functional.linear(x, A), B) * 2.0,
-        "BEM fused": lambda: _fused(layer, x, V, codes, U),
+        "BEM fused": lambda: ops.kernel_call(ops.kept_weight(layer), x, None, V, codes, U, 2.0),
     }
-
-
-def _fused(layer, x, V, codes, U):
-    """The kernel itself, whichever path the dispatch would pick at this shape."""
-    weight = ops.kept_weight(layer)
-    return lowrank_ops.custom_ops.extension().quant4_linear_decode(
-        x, weight.packed, weight.absmax, weight.code, weight.absmax2, weight.code2, weight.offset, weight.blocksize,
-        weight.blocksize2, weight.out_features, None, V, codes, U, 2.0)
 
 
 def _eager_us(fn: Callable[[], object], calls: int = 200) -> float:

@@ -25,14 +25,22 @@ def quant4_weight(layer: nn.Module) -> Optional[Quant4Weight]:
     state this code does not recognise: it fails closed)."""
     weight = getattr(layer, "weight", None)
     state = getattr(weight, "quant_state", None)
-    if state is None or type(weight).__name__ != "Params4bit" or weight.dtype != torch.uint8:
+    if state is None or type(weight).__name__ != "Params4bit":
+        return None
+    return weight_from_state(weight.data, state)
+
+
+def weight_from_state(packed: Tensor, state: object) -> Optional[Quant4Weight]:
+    """A packed 4-bit weight and its bitsandbytes `QuantState` as the kernel reads them, or None where the state is
+    not one this code recognises."""
+    if packed.dtype != torch.uint8:
         return None
     shape = tuple(getattr(state, "shape", ()) or ())
     code, absmax, blocksize = getattr(state, "code", None), getattr(state, "absmax", None), getattr(state, "blocksize", 0)
     if len(shape) != 2 or code is None or absmax is None or code.numel() != 16 or not isinstance(blocksize, int):
         return None
     N, K = shape
-    if weight.numel() * 2 != N * K:
+    if packed.numel() * 2 != N * K:
         return None
     nested = getattr(state, "nested", False)
     state2 = getattr(state, "state2", None) if nested else None
@@ -40,7 +48,7 @@ def quant4_weight(layer: nn.Module) -> Optional[Quant4Weight]:
         return None
     offset = getattr(state, "offset", None)
     return Quant4Weight(
-        packed=weight.data, absmax=absmax, code=code, blocksize=blocksize, out_features=N, in_features=K,
+        packed=packed, absmax=absmax, code=code, blocksize=blocksize, out_features=N, in_features=K,
         absmax2=None if state2 is None else state2.absmax, code2=None if state2 is None else state2.code,
         offset=float(offset) if offset is not None else 0.0, blocksize2=0 if state2 is None else int(state2.blocksize))
 
@@ -114,7 +122,13 @@ def fused_linear(layer: nn.Module, x: Tensor, V: Tensor, codes: Optional[Tensor]
         bias = bias.to(x.dtype)
     x2 = x.reshape(-1, weight.in_features).contiguous()
     codes2 = None if codes is None else codes.reshape(x2.shape[0], -1).to(x.dtype).contiguous()
-    y = custom_ops.extension().quant4_linear_decode(
-        x2, weight.packed, weight.absmax, weight.code, weight.absmax2, weight.code2, weight.offset, weight.blocksize,
-        weight.blocksize2, weight.out_features, bias, V.contiguous(), codes2, U.contiguous(), float(scaling))
+    y = kernel_call(weight, x2, bias, V.contiguous(), codes2, U.contiguous(), scaling)
     return y.reshape(*x.shape[:-1], weight.out_features)
+
+
+def kernel_call(weight: Quant4Weight, x: Tensor, bias: Optional[Tensor], V: Tensor, codes: Optional[Tensor],
+                U: Tensor, scaling: float) -> Tensor:
+    """The kernel itself on 2-D operands (x (M, K), codes (M, r)), whatever the dispatch rule would say."""
+    return custom_ops.extension().quant4_linear_decode(
+        x, weight.packed, weight.absmax, weight.code, weight.absmax2, weight.code2, weight.offset, weight.blocksize,
+        weight.blocksize2, weight.out_features, bias, V, codes, U, float(scaling))
