@@ -58,6 +58,12 @@ inline void check_contiguous(const Tensor& t, const char* name) {
               t.strides());
 }
 
+// An operand on the device of the call's leading input (named ref_name in the message), in contiguous memory.
+inline void check_on(const Tensor& t, const char* name, const Tensor& ref, const char* ref_name) {
+  BEM_CHECK(t.device() == ref.device(), "", name, " is on ", t.device(), " but ", ref_name, " is on ", ref.device());
+  check_contiguous(t, name);
+}
+
 inline at::ScalarType p_dtype(const Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
 inline cudaStream_t stream_now() { return c10::cuda::getCurrentCUDAStream().stream(); }

@@ -38,10 +38,7 @@ void check_shape(const Tensor& t, const char* name, at::IntArrayRef expected, co
   BEM_CHECK(t.sizes() == expected, "", name, " must be ", what, " = ", expected, ", got ", t.sizes());
 }
 
-void check_on(const Tensor& t, const char* name, const Tensor& q) {
-  BEM_CHECK(t.device() == q.device(), "", name, " is on ", t.device(), " but q is on ", q.device());
-  check_contiguous(t, name);
-}
+void check_on(const Tensor& t, const char* name, const Tensor& q) { bem::check_on(t, name, q, "q"); }
 
 void check_like_q(const Tensor& t, const char* name, const Tensor& q) {
   check_on(t, name, q);

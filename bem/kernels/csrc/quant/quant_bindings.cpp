@@ -12,10 +12,7 @@
 namespace bem {
 namespace {
 
-void check_on(const Tensor& t, const char* name, const Tensor& x) {
-  BEM_CHECK(t.device() == x.device(), "", name, " is on ", t.device(), " but x is on ", x.device());
-  check_contiguous(t, name);
-}
+void check_on(const Tensor& t, const char* name, const Tensor& x) { bem::check_on(t, name, x, "x"); }
 
 void check_typed(const Tensor& t, const char* name, const Tensor& x, at::ScalarType dtype, int64_t numel) {
   check_on(t, name, x);
