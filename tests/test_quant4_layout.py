@@ -86,14 +86,27 @@ def test_other_layers_have_no_4bit_weight():
 
 
 def test_the_kernel_declines_what_it_does_not_take(linear4bit):
-    """CPU tensors, float32, gradients wanted, a compute dtype other than x's: the caller runs the layer."""
+    """CPU tensors, float32, a compute dtype other than x's: the caller runs the layer."""
     x = torch.randn(2, 64, dtype=torch.bfloat16)
     V, U = torch.randn(64, 4, dtype=torch.bfloat16), torch.zeros(32, 4, dtype=torch.bfloat16)
-    assert not quant_ops.takes(linear4bit, x, V, U, None)  # on the CPU
+    assert not quant_ops.takes(linear4bit, x, V, U)  # on the CPU
     assert quant_ops.fused_linear(linear4bit, x, V, None, U, 1.0) is None
     meta = dict(device="meta")
     x_cuda_like = torch.empty(2, 64, dtype=torch.float32, **meta)
-    assert not quant_ops.takes(linear4bit, x_cuda_like, V.to(**meta), U.to(**meta), None)
+    assert not quant_ops.takes(linear4bit, x_cuda_like, V.to(**meta), U.to(**meta))
+
+
+def test_a_gradient_is_wanted_for_any_trained_operand_under_grad_mode():
+    """Which of the extension's two calls above decode sizes a call takes: its autograd function or the plain one."""
+    x, V, U = torch.randn(2, 64), torch.randn(64, 4), torch.randn(32, 4)
+    codes = torch.randn(2, 4)
+    assert not quant_ops.wants_grad(x, V, U, codes)
+    for trained in (x, V, U, codes):
+        trained.requires_grad_(True)
+        assert quant_ops.wants_grad(x, V, U, codes)
+        with torch.no_grad():
+            assert not quant_ops.wants_grad(x, V, U, codes)
+        trained.requires_grad_(False)
 
 
 def test_a_layer_weight_is_read_once_and_again_after_it_is_replaced(linear4bit):

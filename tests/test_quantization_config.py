@@ -105,3 +105,14 @@ def test_the_4_bit_profile_config_loads_with_its_quantization():
                                          "double_quant": False}
     hf = config.model.config
     assert (hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"]) == (896, 4864, 24)
+
+
+def test_the_8b_4_bit_profile_config_is_the_8b_config_on_a_4_bit_base():
+    from bem.profiling.config import load_profile_config
+
+    quantized = load_profile_config(REPO / "configs" / "profile_llama3_8b_nf4.yaml")
+    plain = load_profile_config(REPO / "configs" / "profile_llama3_8b.yaml")
+    assert quantized.model.quantization == {"bits": 4, "quant_type": "nf4", "compute_dtype": "bfloat16",
+                                            "double_quant": True}
+    assert quantized.model.config == plain.model.config and quantized.train == plain.train
+    assert quantized.bem_config() == plain.bem_config()

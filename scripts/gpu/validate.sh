@@ -170,7 +170,8 @@ yaml.safe_dump(config, open(f"/tmp/compiled_configs/profile_{name}.yaml", "w"), 
     sass-compare) step sass_compare ${SASS_LIMIT:-240} bash scripts/gpu/sass_compare.sh "${SASS_BEFORE:-.whl/before_split.tar.gz}" ;;
     # the 4-bit linear: its GPU tests, and the CPU tests that need bitsandbytes
     quant4-tests) step quant4_tests ${QUANT4_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider -rf --tb=short \
-        tests/gpu/test_quant4_kernel.py tests/test_quant4_layout.py tests/test_quantized_bases.py ;;
+        tests/gpu/test_quant4_kernel.py tests/gpu/test_quant4_prefill.py tests/test_quant4_layout.py \
+        tests/test_quantized_bases.py ;;
     quant4-bench) step quant4_bench ${QUANT4_BENCH_LIMIT:-200} python3 -m bem.kernels.bench --quant4 --json "$OUT/quant4_bench.json" ;;
     nf4-profile) step nf4_profile ${NF4_LIMIT:-300} python3 profile.py --config configs/profile_qwen2_0.5b_nf4.yaml \
         --repeats ${NF4_REPEATS:-5} --output-dir "$OUT/nf4" ;;

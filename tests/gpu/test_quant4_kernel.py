@@ -4,6 +4,8 @@ plus the update (the oracle), its error messages, and a wrapped 4-bit model whos
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -32,6 +34,24 @@ def quantized_weight(N: int, K: int, quant_type: str, nested: bool, blocksize: i
         in_features=K, absmax2=state.state2.absmax if nested else None, code2=state.state2.code if nested else None,
         offset=float(state.offset) if nested else 0.0, blocksize2=state.state2.blocksize if nested else 0)
     return weight, packed, state
+
+
+@contextlib.contextmanager
+def counted_4bit_calls():
+    """A list that gets one bool per wrapped 4-bit layer's call: whether BEM's 4-bit path took it."""
+    calls: list[bool] = []
+    original = quant_ops.fused_linear
+
+    def counting(*args, **kwargs):
+        y = original(*args, **kwargs)
+        calls.append(y is not None)
+        return y
+
+    quant_ops.fused_linear = counting
+    try:
+        yield calls
+    finally:
+        quant_ops.fused_linear = original
 
 
 def call(x, weight, bias, V, codes, U, scaling):
@@ -112,56 +132,59 @@ def test_equals_bitsandbytes_layer_plus_the_update():
     ("blocksize", lambda a: a.update(blocksize=48), "multiple of 32"),
 ])
 def test_bad_operands_raise_value_errors_naming_them(what, change, message):
+    args = bad_operands(2, what, change)
+    with pytest.raises(ValueError, match=message):
+        custom_ops.extension().quant4_linear_decode(**args)
+
+
+def bad_operands(rows: int, what: str, change) -> dict:
+    """The 4-bit bindings' keyword operands for a 64 x 128 NF4 weight and `rows` rows of x, then changed."""
     weight, _, _ = quantized_weight(64, 128, "nf4", False, 64, seed=3)
-    x, V, c, U, b = operands(2, 128, 64, 4, torch.bfloat16, seed=3)
+    x, V, c, U, b = operands(rows, 128, 64, 4, torch.bfloat16, seed=3)
     args = dict(x=x, weight=weight.packed, absmax=weight.absmax, code=weight.code, absmax2=None, code2=None,
                 offset=0.0, blocksize=64, blocksize2=0, out_features=64, bias=b, V=V, codes=c, U=U, scaling=1.0)
     if what == "half nested":
         args["absmax2"] = torch.ones(1, device="cuda")
     change(args)
-    with pytest.raises(ValueError, match=message):
-        custom_ops.extension().quant4_linear_decode(**args)
+    return args
+
+
+def tiny_4bit_bem(tmp_path, fused: bool):
+    """A 2-layer Llama saved under tmp_path (once), loaded in NF4 (double quantization, bf16 compute), with BEM at
+    rank 8 on every projection; the same adapters and controller for both values of `fused`, U drawn nonzero."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig
+
+    from bem import HierarchicalBEMConfig, create_hierarchical_bem
+
+    if not any(tmp_path.iterdir()):
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=None)
+        AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                      bnb_4bit_compute_dtype=torch.bfloat16)
+    base = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quantization, device_map="cuda",
+                                                dtype=torch.bfloat16)
+    torch.manual_seed(1)  # the same V and controller for both
+    model = create_hierarchical_bem(base, HierarchicalBEMConfig(rank=8, attach_qkv=True, use_fused_kernels=fused))
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    with torch.no_grad():
+        for _, module in model.bem_modules():
+            module.bem_U.copy_(0.05 * torch.randn(module.bem_U.shape, device="cuda", generator=generator))
+    return model
+
 
 
 def test_a_wrapped_4bit_model_decodes_through_the_kernel(tmp_path):
     """Greedy cached decoding of a 4-bit Llama with BEM: the kernel's tokens and logits against the same model with
     BEM's kernels off (bitsandbytes' layer plus the update), and the kernel was called."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig
-
-    from bem import HierarchicalBEMConfig, create_hierarchical_bem
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=None)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                      bnb_4bit_compute_dtype=torch.bfloat16)
     outputs = {}
     for fused in (True, False):
-        base = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quantization, device_map="cuda",
-                                                    dtype=torch.bfloat16).eval()
-        torch.manual_seed(1)  # the same V and controller for both
-        model = create_hierarchical_bem(base, HierarchicalBEMConfig(rank=8, attach_qkv=True,
-                                                                    use_fused_kernels=fused))
-        generator = torch.Generator(device="cuda").manual_seed(5)
-        with torch.no_grad():
-            for _, module in model.bem_modules():
-                module.bem_U.copy_(0.05 * torch.randn(module.bem_U.shape, device="cuda", generator=generator))
-        calls = []
-        original = quant_ops.fused_linear
-
-        def counting(*args, **kwargs):
-            y = original(*args, **kwargs)
-            calls.append(y is not None)
-            return y
-
-        quant_ops.fused_linear = counting
-        try:
-            ids = torch.randint(1, 512, (2, 9), device="cuda", generator=generator)
+        model = tiny_4bit_bem(tmp_path, fused).eval()
+        with counted_4bit_calls() as calls:
+            ids = torch.randint(1, 512, (2, 9), device="cuda", generator=torch.Generator(device="cuda").manual_seed(6))
             out = model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True,
                                  return_dict_in_generate=True)
-        finally:
-            quant_ops.fused_linear = original
         outputs[fused] = (out.sequences, torch.stack(out.logits).float(), sum(calls))
     assert outputs[True][2] > 0 and outputs[False][2] == 0
     # the two paths round differently (bf16), so a near tie may pick another token; compare the steps up to the

@@ -1,9 +1,13 @@
-"""When a wrapped 4-bit layer's call takes the fused kernel, and what the kernel is handed.
+"""When a wrapped 4-bit layer's call takes BEM's 4-bit path, and what the extension is handed.
 
-The kernel takes inference calls (no gradient wanted) of up to 4 rows (up to `QUANT4_DECODE_MAX_TOKENS` on weights of
-at most `WIDE_ROWS_MAX_VALUES` values) in float16 or bfloat16 on CUDA, outside torch.compile, of a bitsandbytes `Linear4bit` whose compute dtype is x's, stored as uint8
-(not FSDP's float storage), with K a multiple of 32. Everything else returns None: the caller runs the layer as
-it is and adds the update beside it."""
+The path takes calls in float16 or bfloat16 on CUDA, outside torch.compile, of a bitsandbytes `Linear4bit` whose
+compute dtype is x's, stored as uint8 (not FSDP's float storage), with K a multiple of 32 and a bias that is not
+trained. Inference calls of up to 4 rows (up to `QUANT4_DECODE_MAX_TOKENS` on weights of at most
+`WIDE_ROWS_MAX_VALUES` values) take the decode kernel, which reads the packed weight itself; every other call
+dequantizes the weight to x's dtype (as bitsandbytes' layer does above one row) and runs the low-rank family's GEMM
+with the update inside, under autograd where a gradient is wanted (for x, V, U and the codes; the backward
+dequantizes again, so no 16-bit weight is kept). Everything else returns None: the caller runs the layer as it is
+and adds the update beside it."""
 
 from __future__ import annotations
 
@@ -81,20 +85,21 @@ def _max_tokens() -> int:
     return _MAX_TOKENS[0]
 
 
-def takes(layer: nn.Module, x: Tensor, V: Tensor, U: Tensor, codes: Optional[Tensor]) -> bool:
-    """Whether the fused kernel takes this call (see the module's docstring)."""
+def takes(layer: nn.Module, x: Tensor, V: Tensor, U: Tensor) -> bool:
+    """Whether the 4-bit path takes this call (see the module's docstring; the weight itself is checked apart)."""
     if not x.is_cuda or x.dtype not in KERNEL_DTYPES or V.dtype != x.dtype or U.dtype != x.dtype:
         return False
-    if torch.compiler.is_compiling():
-        return False
-    if torch.is_grad_enabled() and (x.requires_grad or V.requires_grad or U.requires_grad
-                                    or (codes is not None and codes.requires_grad)):
+    if torch.compiler.is_compiling() or custom_ops.extension() is None:
         return False
     compute_dtype = getattr(layer, "compute_dtype", None)
     if compute_dtype is not None and compute_dtype != x.dtype:
         return False
-    rows = x.numel() // max(x.shape[-1], 1)
-    return 0 < rows <= _max_tokens() and x.shape[-1] % 32 == 0
+    return x.numel() > 0 and x.shape[-1] % 32 == 0
+
+
+def wants_grad(x: Tensor, V: Tensor, U: Tensor, codes: Optional[Tensor]) -> bool:
+    return torch.is_grad_enabled() and (x.requires_grad or V.requires_grad or U.requires_grad
+                                        or (codes is not None and codes.requires_grad))
 
 
 # Above 4 rows the kernel's CUDA-core products cost more than bitsandbytes' dequantize-and-GEMM plus the update on
@@ -109,21 +114,30 @@ def takes_shape(rows: int, weight: Quant4Weight) -> bool:
 
 def fused_linear(layer: nn.Module, x: Tensor, V: Tensor, codes: Optional[Tensor], U: Tensor,
                  scaling: float) -> Optional[Tensor]:
-    """layer(x) + s ((x V) ⊙ codes) Uᵀ from one kernel, or None where the kernel does not take the call."""
-    if not takes(layer, x, V, U, codes):
+    """layer(x) + s ((x V) ⊙ codes) Uᵀ from the extension, or None where the 4-bit path does not take the call.
+    codes: laid out as x ((..., r) for x (..., K)) or None."""
+    if not takes(layer, x, V, U):
         return None
     weight = kept_weight(layer)
     if weight is None or weight.in_features != x.shape[-1] or weight.packed.device != x.device:
         return None
-    if not takes_shape(x.numel() // weight.in_features, weight):
-        return None
     bias = getattr(layer, "bias", None)
     if bias is not None:
+        if bias.requires_grad and torch.is_grad_enabled():
+            return None  # a trained bias: the layer's own forward gives it its gradient
         bias = bias.to(x.dtype)
-    x2 = x.reshape(-1, weight.in_features).contiguous()
-    codes2 = None if codes is None else codes.reshape(x2.shape[0], -1).to(x.dtype).contiguous()
-    y = kernel_call(weight, x2, bias, V.contiguous(), codes2, U.contiguous(), scaling)
-    return y.reshape(*x.shape[:-1], weight.out_features)
+    rows = x.numel() // weight.in_features
+    grad = wants_grad(x, V, U, codes)
+    codes = None if codes is None else codes.to(x.dtype).contiguous()
+    if not grad and rows <= _max_tokens() and takes_shape(rows, weight):
+        x2 = x.reshape(rows, weight.in_features).contiguous()
+        codes2 = None if codes is None else codes.reshape(rows, -1)
+        y = kernel_call(weight, x2, bias, V.contiguous(), codes2, U.contiguous(), scaling)
+        return y.reshape(*x.shape[:-1], weight.out_features)
+    call = custom_ops.extension().quant4_fused_linear if grad else custom_ops.extension().quant4_linear
+    return call(x.contiguous(), weight.packed, weight.absmax, weight.code, weight.absmax2, weight.code2,
+                weight.offset, weight.blocksize, weight.blocksize2, weight.out_features, bias, V.contiguous(), codes,
+                U.contiguous(), float(scaling))
 
 
 def kernel_call(weight: Quant4Weight, x: Tensor, bias: Optional[Tensor], V: Tensor, codes: Optional[Tensor],

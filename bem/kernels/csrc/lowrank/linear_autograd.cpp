@@ -17,6 +17,7 @@
 #include "gemm_update_ops.h"
 #include "launchers.h"
 #include "host_checks.h"
+#include "linear_autograd.h"
 #include "update_ops.h"
 
 namespace bem {
@@ -40,6 +41,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fused_linear_grads(const Tensor& x, c
 }
 
 }  // namespace
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> fused_linear_backward(const Tensor& grad_y, const Tensor& x,
+                                                                 const Tensor& weight, const Tensor& V,
+                                                                 const Tensor& codes, const Tensor& U, double scale,
+                                                                 bool need_x, bool need_v, bool need_u) {
+  const int64_t rows = x.numel() / x.size(-1);
+  const Tensor dy = grad_y.reshape({rows, grad_y.size(-1)}).contiguous();
+  const OptTensor codes_rows = codes.defined() ? OptTensor(codes.view({rows, codes.size(-1)})) : c10::nullopt;
+  auto [dx, dv, dcodes, du] =
+      fused_linear_grads(x.view({rows, x.size(-1)}), dy, weight, V, codes_rows, U, scale, need_x, need_v, need_u);
+  return {need_x && dx.defined() ? dx.view(x.sizes()) : Tensor(), dv,
+          codes.defined() && dcodes.defined() ? dcodes.view(codes.sizes()) : Tensor(), du};
+}
 
 // y = x W^T + b + s ((x V) ⊙ codes) U^T for x (..., K) and codes (..., r), W and b frozen. Keeps x and the codes
 // for the backward, as LoRA keeps x and its rank-r activation; x V is recomputed there.
@@ -71,14 +85,11 @@ class FusedLinearFunction : public torch::autograd::Function<FusedLinearFunction
     const bool need_x = ctx->needs_input_grad(0), need_v = ctx->needs_input_grad(v_edge);
     const bool need_codes = codes.defined() && ctx->needs_input_grad(v_edge + 1);
     const bool need_u = ctx->needs_input_grad(v_edge + (codes.defined() ? 2 : 1));
-    const int64_t rows = x.numel() / x.size(-1);
-    const Tensor dy = grad_y.reshape({rows, grad_y.size(-1)}).contiguous();
-    const OptTensor codes_rows = codes.defined() ? OptTensor(codes.view({rows, codes.size(-1)})) : c10::nullopt;
-    auto [dx, dv, dcodes, du] = fused_linear_grads(x.view({rows, x.size(-1)}), dy, weight, V, codes_rows, U,
-                                                   ctx->saved_data["scale"].toDouble(), need_x, need_v, need_u);
-    if (need_x) out[0] = dx.view(x.sizes());
+    auto [dx, dv, dcodes, du] = fused_linear_backward(grad_y, x, weight, V, codes, U,
+                                                      ctx->saved_data["scale"].toDouble(), need_x, need_v, need_u);
+    if (need_x) out[0] = dx;
     if (need_v) out[3] = dv;
-    if (need_codes) out[4] = dcodes.view(codes.sizes());
+    if (need_codes) out[4] = dcodes;
     if (need_u) out[5] = du;
     return out;
   }

@@ -9,6 +9,7 @@
 // the warp's rows first, then loads each token's eight values of x once for all of them. Sums stay in float32 and
 // meet by shuffles.
 #include "../common/common.cuh"
+#include "quant4_layout.cuh"
 #include "quant_launchers.h"
 
 namespace bem {
@@ -17,11 +18,6 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kLaneValues = 8;                     // values of a row a lane takes per step (4 bytes)
 constexpr int kWarpStep = 32 * kLaneValues;        // values of a row a warp takes per step
-
-__device__ __forceinline__ float block_absmax(const Quant4DecodeArgs& a, int64_t block) {
-  if (a.absmax != nullptr) return __ldg(a.absmax + block);
-  return __ldg(a.code2 + __ldg(a.absmax_u8 + block)) * __ldg(a.absmax2 + block / a.blocksize2) + a.offset;
-}
 
 template <typename T, int MT, int ROWS>
 __global__ void __launch_bounds__(kWarps * 32) quant4_decode_kernel(const Quant4DecodeArgs a) {

@@ -42,4 +42,19 @@ struct Quant4DecodeArgs {
 int quant4_rows_per_warp(int N, int num_sms);
 cudaError_t launch_quant4_decode(DType dtype, const Quant4DecodeArgs& args, cudaStream_t stream);
 
+// W (N x K, 16-bit) = the 4-bit weight of Quant4DecodeArgs' layout, dequantized (numel = N * K, a multiple of 8).
+struct Quant4DequantArgs {
+  const uint8_t* W;        // numel / 2 bytes
+  const float* absmax;     // as in Quant4DecodeArgs
+  const uint8_t* absmax_u8;
+  const float* absmax2;
+  const float* code2;
+  float offset;
+  const float* code;
+  void* out;               // numel values, T, 16-byte aligned
+  int64_t numel;
+  int blocksize, blocksize2;
+};
+cudaError_t launch_quant4_dequantize(DType dtype, const Quant4DequantArgs& args, int num_sms, cudaStream_t stream);
+
 }  // namespace bem
