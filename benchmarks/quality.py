@@ -1,6 +1,6 @@
 """Does routing earn its cost? BEM against PEFT LoRA and DoRA at an equal trainable-parameter budget.
 
-    python benchmarks/quality.py [--suites multitask,control,recall] [--seeds 3] [--steps 400] [--rank 8]
+    python benchmarks/quality.py [--suites multitask,control,recall (or "" for the curve alone)] [--seeds 3] [--steps 400] [--rank 8]
         [--base-width 256] [--base-layers 4] [--pretrain-steps 600] [--cache-dir DIR] [--device auto]
         [--plot-ranks 2,4,8,16,32] [--plot quality.png] [--json quality.json]
 
@@ -280,9 +280,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--threads", type=int)
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.suites.split(",")) - set(SUITES))
+    suites = [name for name in args.suites.split(",") if name]  # empty with --plot-ranks: the curve alone
+    unknown = sorted(set(suites) - set(SUITES))
     if unknown:
         parser.error(f"unknown suite {unknown[0]!r}; the suites are {', '.join(SUITES)}")
+    if not suites and not args.plot_ranks:
+        parser.error("--suites is empty and there is no --plot-ranks: nothing to run")
     if args.seeds < 1:
         parser.error("--seeds must be at least 1")
     if args.threads:
@@ -298,7 +301,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     seeds = list(range(args.seeds))
     only = [v for v in args.variants.split(",") if v] or None
     rows: list[dict[str, Any]] = []
-    for name in args.suites.split(","):
+    for name in suites:
         rows += run_suite(base, name, SUITES[name](), settings, seeds, device, only, log)
     where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     title = (f"{where}; base: byte-level Llama {spec.width} wide, {spec.layers} layers, "

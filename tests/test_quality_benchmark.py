@@ -75,3 +75,19 @@ def test_a_short_run_gives_every_variant_at_an_equal_budget(tmp_path, capsys):
 def test_bad_arguments_are_refused_by_name():
     with pytest.raises(SystemExit):
         quality.main(["--suites", "multitsk"])
+    with pytest.raises(SystemExit):
+        quality.main(["--suites", ""])  # nothing to run
+
+
+def test_the_curve_alone_runs_bem_and_lora_at_each_rank(tmp_path):
+    out, png = tmp_path / "curve.json", tmp_path / "curve.png"
+    code = quality.main(["--suites", "", "--seeds", "1", "--steps", "4", "--batch", "4", "--eval-rows", "8",
+                         "--base-width", "64", "--base-layers", "1", "--pretrain-steps", "0", "--plot-ranks", "2,4",
+                         "--plot", str(png), "--cache-dir", str(tmp_path / "cache"), "--device", "cpu",
+                         "--json", str(out)])
+    assert code == 0 and png.stat().st_size > 0
+    report = json.loads(out.read_text())
+    assert report["rows"] == []
+    points = {(p["variant"], p["rank"]): p["trainable"] for p in report["rank_curve"]}
+    assert set(points) == {("bem", 2), ("bem", 4), ("lora", 2), ("lora", 4)}
+    assert points[("bem", 2)] < points[("bem", 4)] and points[("lora", 2)] < points[("lora", 4)]
