@@ -7,6 +7,8 @@
         quant_type: nf4           # 4-bit only: nf4 or fp4
         compute_dtype: bfloat16   # 4-bit only: the dtype the layers compute in (float32, float16, bfloat16)
         double_quant: true        # 4-bit only: quantize the quantization constants too
+        quant_storage: uint8      # 4-bit only: the dtype the packed weight is stored as (uint8, or bfloat16,
+                                  # float16, float32 for FSDP, which shards floating-point parameters only)
 
 BEM wraps the quantized layers as they are and adds its update beside them in the compute dtype; adapters
 saved from such a model load onto a freshly quantized base, and merging into a quantized weight is refused.
@@ -22,7 +24,8 @@ import torch
 import torch.nn as nn
 
 COMPUTE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-FOUR_BIT_DEFAULTS = {"quant_type": "nf4", "compute_dtype": "bfloat16", "double_quant": False}
+STORAGE_DTYPES = {"uint8": torch.uint8, **COMPUTE_DTYPES}
+FOUR_BIT_DEFAULTS = {"quant_type": "nf4", "compute_dtype": "bfloat16", "double_quant": False, "quant_storage": "uint8"}
 KEYS = ("bits",) + tuple(FOUR_BIT_DEFAULTS)
 
 
@@ -40,7 +43,7 @@ def check_quantization(values: Any, field: str = "model.quantization") -> Option
     if values is None:
         return None
     if not isinstance(values, dict):
-        raise QuantizationConfigError(field, f"must be a mapping (bits, quant_type, compute_dtype, double_quant), "
+        raise QuantizationConfigError(field, f"must be a mapping (bits, quant_type, compute_dtype, double_quant, quant_storage), "
                                              f"got {type(values).__name__}")
     unknown = sorted(set(values) - set(KEYS))
     if unknown:
@@ -62,6 +65,9 @@ def check_quantization(values: Any, field: str = "model.quantization") -> Option
     if not isinstance(checked["double_quant"], bool):
         raise QuantizationConfigError(f"{field}.double_quant",
                                       f"must be true or false, got {checked['double_quant']!r}")
+    if checked["quant_storage"] not in STORAGE_DTYPES:
+        raise QuantizationConfigError(f"{field}.quant_storage", f"must be one of {', '.join(STORAGE_DTYPES)}, "
+                                                                f"got {checked['quant_storage']!r}")
     return checked
 
 
@@ -75,7 +81,8 @@ def bitsandbytes_config(values: dict[str, Any], field: str = "model.quantization
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=values["quant_type"],
                               bnb_4bit_compute_dtype=COMPUTE_DTYPES[values["compute_dtype"]],
-                              bnb_4bit_use_double_quant=values["double_quant"])
+                              bnb_4bit_use_double_quant=values["double_quant"],
+                              bnb_4bit_quant_storage=STORAGE_DTYPES[values.get("quant_storage", "uint8")])
 
 
 def load_quantized(path: str, values: dict[str, Any], device: torch.device, dtype: torch.dtype,

@@ -27,7 +27,10 @@ BAD = [
     ({"bits": 4, "compute_dtype": "fp16"}, "model.quantization.compute_dtype: must be one of float32, float16, "
                                            "bfloat16, got 'fp16'"),
     ({"bits": 4, "double_quant": "yes"}, "model.quantization.double_quant: must be true or false, got 'yes'"),
+    ({"bits": 4, "quant_storage": "int8"}, "model.quantization.quant_storage: must be one of uint8, float32, "
+                                           "float16, bfloat16, got 'int8'"),
     ({"bits": 8, "quant_type": "nf4"}, "model.quantization.quant_type: applies to 4-bit bases only (bits is 8)"),
+    ({"bits": 8, "quant_storage": "bfloat16"}, "model.quantization.quant_storage: applies to 4-bit bases only"),
     ({"bits": 4, "blocksize": 64}, "model.quantization.blocksize: unknown key; the keys are bits, quant_type"),
     ("nf4", "model.quantization: must be a mapping"),
 ]
@@ -43,13 +46,15 @@ def test_a_bad_quantization_section_names_its_field(values, message):
 def test_defaults_and_the_bitsandbytes_config_they_make():
     assert check_quantization(None) is None
     four = check_quantization({"bits": 4})
-    assert four == {"bits": 4, "quant_type": "nf4", "compute_dtype": "bfloat16", "double_quant": False}
+    assert four == {"bits": 4, "quant_type": "nf4", "compute_dtype": "bfloat16", "double_quant": False,
+                    "quant_storage": "uint8"}
     assert check_quantization({"bits": 8}) == {"bits": 8}
     pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed")
     config = bitsandbytes_config(check_quantization({"bits": 4, "quant_type": "fp4", "compute_dtype": "float16",
-                                                     "double_quant": True}))
+                                                     "double_quant": True, "quant_storage": "bfloat16"}))
     assert config.load_in_4bit and config.bnb_4bit_quant_type == "fp4" and config.bnb_4bit_use_double_quant
-    assert config.bnb_4bit_compute_dtype == torch.float16
+    assert config.bnb_4bit_compute_dtype == torch.float16 and config.bnb_4bit_quant_storage == torch.bfloat16
+    assert bitsandbytes_config(four).bnb_4bit_quant_storage == torch.uint8
     assert bitsandbytes_config({"bits": 8}).load_in_8bit
 
 
@@ -102,7 +107,7 @@ def test_the_4_bit_profile_config_loads_with_its_quantization():
 
     config = load_profile_config(REPO / "configs" / "profile_qwen2_0.5b_nf4.yaml")
     assert config.model.quantization == {"bits": 4, "quant_type": "nf4", "compute_dtype": "bfloat16",
-                                         "double_quant": False}
+                                         "double_quant": False, "quant_storage": "uint8"}
     hf = config.model.config
     assert (hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"]) == (896, 4864, 24)
 
@@ -113,6 +118,6 @@ def test_the_8b_4_bit_profile_config_is_the_8b_config_on_a_4_bit_base():
     quantized = load_profile_config(REPO / "configs" / "profile_llama3_8b_nf4.yaml")
     plain = load_profile_config(REPO / "configs" / "profile_llama3_8b.yaml")
     assert quantized.model.quantization == {"bits": 4, "quant_type": "nf4", "compute_dtype": "bfloat16",
-                                            "double_quant": True}
+                                            "double_quant": True, "quant_storage": "uint8"}
     assert quantized.model.config == plain.model.config and quantized.train == plain.train
     assert quantized.bem_config() == plain.bem_config()

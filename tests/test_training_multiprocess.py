@@ -139,19 +139,19 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("multiprocess")
+def make_root(tmp_path_factory, name: str) -> Path:
+    """A folder with the runs' data (40 rows of the tiny data set) and the driver."""
+    root = tmp_path_factory.mktemp(name)
     lines = (REPO / "data/tiny/train.jsonl").read_text().splitlines()[:40]
     (root / "train.jsonl").write_text("\n".join(lines) + "\n")
     (root / "driver.py").write_text(DRIVER)
     return root
 
 
-@pytest.fixture(scope="module")
-def one_process(root) -> Path:
+def train_one_process(root: Path, *extra: str) -> Path:
+    """The same run in this process, with the two-process runs' global batch; its output folder."""
     output_dir = root / "one"
-    config = load_train_config(REPO / "configs/tiny.yaml", overrides(root / "train.jsonl", output_dir, 1))
+    config = load_train_config(REPO / "configs/tiny.yaml", overrides(root / "train.jsonl", output_dir, 1, *extra))
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -159,6 +159,34 @@ def one_process(root) -> Path:
     finally:
         torch.set_num_threads(previous)
     return output_dir
+
+
+def assert_matches_one_process(output_dir: Path, one_process: Path) -> None:
+    two, one = losses(output_dir), losses(one_process)
+    assert [s for s, _, _ in two] == [s for s, _, _ in one]
+    assert two[STEPS - 1][2] < two[0][2]
+    assert [x for _, _, x in two] == pytest.approx([x for _, _, x in one], rel=1e-5)
+    a, b = adapter(output_dir / "adapter"), adapter(one_process / "adapter")
+    assert set(a) == set(b)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
+
+
+def assert_lost_steps_repeated(output_dir: Path) -> None:
+    crashed = {(s, key): x for s, key, x in losses(output_dir, "crashed_metrics.jsonl")}
+    resumed = {(s, key): x for s, key, x in losses(output_dir)}
+    lost = [(s, "loss") for s in range(SAVE_EVERY + 1, CRASH_AFTER)]
+    assert [resumed[key] for key in lost] == [crashed[key] for key in lost]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return make_root(tmp_path_factory, "multiprocess")
+
+
+@pytest.fixture(scope="module")
+def one_process(root) -> Path:
+    return train_one_process(root)
 
 
 @pytest.fixture(scope="module")
@@ -181,23 +209,13 @@ def test_a_crash_leaves_the_complete_checkpoints_only(run):
 def test_resuming_repeats_the_lost_steps_exactly(run):
     # steps 5 and 6 ran before the crash and again after resuming from step 4: bit for bit the same
     _, output_dir = run
-    crashed = {(s, k): x for s, k, x in losses(output_dir, "crashed_metrics.jsonl")}
-    resumed = {(s, k): x for s, k, x in losses(output_dir)}
-    lost = [(s, "loss") for s in range(SAVE_EVERY + 1, CRASH_AFTER)]
-    assert [resumed[key] for key in lost] == [crashed[key] for key in lost]
+    assert_lost_steps_repeated(output_dir)
     assert [s for s, _, _ in losses(output_dir)] == [*range(1, STEPS + 1), STEPS]  # the log reads as one run
 
 
 def test_two_processes_match_one_process_with_the_same_global_batch(run, one_process):
     _, output_dir = run
-    two, one = losses(output_dir), losses(one_process)
-    assert [s for s, _, _ in two] == [s for s, _, _ in one]
-    assert two[STEPS - 1][2] < two[0][2]
-    assert [x for _, _, x in two] == pytest.approx([x for _, _, x in one], rel=1e-5)
-    a, b = adapter(output_dir / "adapter"), adapter(one_process / "adapter")
-    assert set(a) == set(b)
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
+    assert_matches_one_process(output_dir, one_process)
 
 
 def test_both_processes_end_with_the_adapter_that_was_saved(run):
