@@ -40,6 +40,7 @@ from quality_base import BaseSpec, frozen_base  # noqa: E402
 from quality_tasks import RecallSuite, TransformSuite, chance  # noqa: E402
 
 from bem import HierarchicalBEMConfig, create_hierarchical_bem  # noqa: E402
+from bem.io_utils import atomic_write_json  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ABLATIONS = {  # level -> the controller parameters that make it (their last layers start at zero)
@@ -182,7 +183,9 @@ def evaluate(model: nn.Module, suite, settings: Settings, seed: int, device: tor
 
 
 def run_suite(base: nn.Module, suite_name: str, suite, settings: Settings, seeds: list[int], device: torch.device,
-              only: Optional[list[str]], log: Callable[[str], None]) -> list[dict[str, Any]]:
+              only: Optional[list[str]], log: Callable[[str], None],
+              on_row: Callable[[dict[str, Any]], None] = lambda row: None) -> list[dict[str, Any]]:
+    """Each variant's row (mean and std over `seeds`), handed to `on_row` as soon as it is done."""
     base_copy = lambda: copy.deepcopy(base)  # noqa: E731
     builders = variants(base_copy, settings, suite_name, settings.rank, suite.sequence_length)
     rows, budget = [], None
@@ -213,18 +216,25 @@ def run_suite(base: nn.Module, suite_name: str, suite, settings: Settings, seeds
                      "budget": None if budget is None else params / budget, "controller_share": share,
                      "mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
                      "seeds": results})
+        on_row(rows[-1])
     return rows
 
 
 def rank_curve(base: nn.Module, suite, settings: Settings, ranks: list[int], seeds: list[int],
-               device: torch.device, log: Callable[[str], None]) -> list[dict[str, Any]]:
-    """Multi-task score against trainable parameters: BEM (routed) and LoRA at each rank."""
-    points = []
+               device: torch.device, log: Callable[[str], None],
+               on_point: Callable[[list[dict[str, Any]]], None] = lambda points: None) -> list[dict[str, Any]]:
+    """Multi-task score against trainable parameters: BEM (routed) and LoRA at each rank; `on_point` gets the
+    points so far after each."""
+    points: list[dict[str, Any]] = []
     for rank in ranks:
         ranked = replace(settings, rank=rank)
-        for row in run_suite(base, "multitask", suite, ranked, seeds, device, ["bem", "lora"], log):
+
+        def add(row: dict[str, Any], rank: int = rank) -> None:
             points.append({"variant": row["variant"], "rank": rank, "trainable": row["trainable"],
                            "mean": row["mean"], "std": row["std"]})
+            on_point(points)
+
+        run_suite(base, "multitask", suite, ranked, seeds, device, ["bem", "lora"], log, on_row=add)
     return points
 
 
@@ -286,6 +296,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(f"unknown suite {unknown[0]!r}; the suites are {', '.join(SUITES)}")
     if not suites and not args.plot_ranks:
         parser.error("--suites is empty and there is no --plot-ranks: nothing to run")
+    if args.eval_rows < 48:  # the six tasks' rows are drawn at random: fewer could leave a task none to score
+        parser.error(f"--eval-rows must be at least 48 (about 8 a task), got {args.eval_rows}")
     if args.seeds < 1:
         parser.error("--seeds must be at least 1")
     if args.threads:
@@ -300,21 +312,27 @@ def main(argv: Optional[list[str]] = None) -> int:
     settings = Settings(steps=args.steps, batch=args.batch, lr=args.lr, rank=args.rank, eval_rows=args.eval_rows)
     seeds = list(range(args.seeds))
     only = [v for v in args.variants.split(",") if v] or None
-    rows: list[dict[str, Any]] = []
-    for name in suites:
-        rows += run_suite(base, name, SUITES[name](), settings, seeds, device, only, log)
     where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     title = (f"{where}; base: byte-level Llama {spec.width} wide, {spec.layers} layers, "
              f"{spec.pretrain_steps} pretraining steps; {settings.steps} steps, batch {settings.batch}, lr {settings.lr}")
+    rows: list[dict[str, Any]] = []
     report: dict[str, Any] = {"title": title, "settings": vars(settings), "base": asdict(spec), "rows": rows,
-                              "chance": {name: chance(SUITES[name]()) for name in SUITES}}
+                              "chance": {name: chance(SUITES[name]()) for name in SUITES}, "complete": False}
+
+    def save(_: Any = None) -> None:  # after every variant: a run cut off keeps what it finished
+        if args.json:
+            atomic_write_json(args.json, report)
+
+    for name in suites:
+        run_suite(base, name, SUITES[name](), settings, seeds, device, only, log,
+                  on_row=lambda row: (rows.append(row), save()))
     if args.plot_ranks:
+        report["rank_curve"] = []
         points = rank_curve(base, SUITES["multitask"](), settings, [int(r) for r in args.plot_ranks.split(",")],
-                            seeds, device, log)
-        report["rank_curve"] = points
+                            seeds, device, log, on_point=lambda points: (report.update(rank_curve=points), save()))
         plot(points, args.plot, title)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+    report["complete"] = True
+    save()
     print(title)
     print(table(rows, len(seeds)))
     return 0

@@ -57,6 +57,7 @@ def test_a_short_run_gives_every_variant_at_an_equal_budget(tmp_path, capsys):
                          "--cache-dir", str(tmp_path / "cache"), "--device", "cpu", "--json", str(out)])
     assert code == 0
     report = json.loads(out.read_text())
+    assert report["complete"]
     rows = {row["variant"]: row for row in report["rows"]}
     assert set(rows) == {"bem", "bem_static", "lora", "dora", "bem-prefix", "bem-chunk", "bem-token", "bem-gate"}
     for name in ("bem_static", "lora", "dora"):
@@ -77,11 +78,13 @@ def test_bad_arguments_are_refused_by_name():
         quality.main(["--suites", "multitsk"])
     with pytest.raises(SystemExit):
         quality.main(["--suites", ""])  # nothing to run
+    with pytest.raises(SystemExit):
+        quality.main(["--eval-rows", "8"])  # too few to score each task
 
 
 def test_the_curve_alone_runs_bem_and_lora_at_each_rank(tmp_path):
     out, png = tmp_path / "curve.json", tmp_path / "curve.png"
-    code = quality.main(["--suites", "", "--seeds", "1", "--steps", "4", "--batch", "4", "--eval-rows", "8",
+    code = quality.main(["--suites", "", "--seeds", "1", "--steps", "4", "--batch", "4", "--eval-rows", "48",
                          "--base-width", "64", "--base-layers", "1", "--pretrain-steps", "0", "--plot-ranks", "2,4",
                          "--plot", str(png), "--cache-dir", str(tmp_path / "cache"), "--device", "cpu",
                          "--json", str(out)])
@@ -91,3 +94,23 @@ def test_the_curve_alone_runs_bem_and_lora_at_each_rank(tmp_path):
     points = {(p["variant"], p["rank"]): p["trainable"] for p in report["rank_curve"]}
     assert set(points) == {("bem", 2), ("bem", 4), ("lora", 2), ("lora", 4)}
     assert points[("bem", 2)] < points[("bem", 4)] and points[("lora", 2)] < points[("lora", 4)]
+
+
+def test_a_run_cut_off_keeps_the_variants_it_finished(tmp_path, monkeypatch):
+    out = tmp_path / "quality.json"
+    evaluate, calls = quality.evaluate, []
+
+    def cut_off_at_the_third(*args, **kwargs):  # the second variant's first seed: as a time limit would
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(quality, "evaluate", cut_off_at_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        quality.main(["--suites", "multitask", "--seeds", "2", "--steps", "4", "--batch", "4", "--eval-rows", "48",
+                      "--base-width", "64", "--base-layers", "1", "--pretrain-steps", "0", "--cache-dir",
+                      str(tmp_path / "cache"), "--device", "cpu", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert not report["complete"]
+    assert [row["variant"] for row in report["rows"]] == ["bem"] and len(report["rows"][0]["seeds"]) == 2
