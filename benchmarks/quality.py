@@ -1,7 +1,8 @@
 """Does routing earn its cost? BEM against PEFT LoRA and DoRA at an equal trainable-parameter budget.
 
     python benchmarks/quality.py [--suites multitask,control,recall (or "" for the curve alone)] [--seeds 3] [--steps 400] [--rank 8]
-        [--base-width 256] [--base-layers 4] [--pretrain-steps 600] [--cache-dir DIR] [--device auto]
+        [--lr 3e-3] [--controller-lr-scale 1.0] [--base-width 256] [--base-layers 4] [--pretrain-steps 600]
+        [--cache-dir DIR] [--device auto]
         [--plot-ranks 2,4,8,16,32] [--plot quality.png] [--json quality.json]
 
 The frozen base is a byte-level Llama pretrained here on the installed packages' Python sources
@@ -67,6 +68,7 @@ class Settings:
     controller_dim: int = 32
     chunk_size: int = 4
     max_prefix_tokens: int = 4
+    controller_lr_scale: float = 1.0  # the controller's learning rate over the adapters'
 
 
 def trainable(model: nn.Module) -> int:
@@ -142,10 +144,19 @@ def labels_of(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, ids, torch.full_like(ids, -100))
 
 
+def optimizer_for(model: nn.Module, settings: Settings) -> torch.optim.Optimizer:
+    """AdamW at settings.lr, the routing controller's parameters (BEM's) at lr x controller_lr_scale."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    controller = [p for name, p in named if name.startswith("controller.")]
+    groups = [{"params": [p for name, p in named if not name.startswith("controller.")], "lr": settings.lr}]
+    if controller:
+        groups.append({"params": controller, "lr": settings.lr * settings.controller_lr_scale})
+    return torch.optim.AdamW(groups, weight_decay=0.0)
+
+
 def train(model: nn.Module, suite, settings: Settings, seed: int, device: torch.device) -> list[float]:
     generator = torch.Generator().manual_seed(10_000 + seed)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
+    optimizer = optimizer_for(model, settings)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20)
                                                  * max(0.0, 1 - step / settings.steps))
     model.train()
@@ -278,6 +289,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--steps", type=int, default=Settings.steps)
     parser.add_argument("--batch", type=int, default=Settings.batch)
     parser.add_argument("--lr", type=float, default=Settings.lr)
+    parser.add_argument("--controller-lr-scale", type=float, default=Settings.controller_lr_scale,
+                        help="the routing controller's learning rate over the adapters' (BEM variants)")
     parser.add_argument("--rank", type=int, default=Settings.rank)
     parser.add_argument("--eval-rows", type=int, default=Settings.eval_rows)
     parser.add_argument("--base-width", type=int, default=BaseSpec.width)
@@ -298,6 +311,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("--suites is empty and there is no --plot-ranks: nothing to run")
     if args.eval_rows < 48:  # the six tasks' rows are drawn at random: fewer could leave a task none to score
         parser.error(f"--eval-rows must be at least 48 (about 8 a task), got {args.eval_rows}")
+    if not args.controller_lr_scale > 0:
+        parser.error(f"--controller-lr-scale must be positive, got {args.controller_lr_scale}")
     if args.seeds < 1:
         parser.error("--seeds must be at least 1")
     if args.threads:
@@ -309,12 +324,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     base = frozen_base(spec, device, args.cache_dir, log)
     for param in base.parameters():
         param.requires_grad_(False)
-    settings = Settings(steps=args.steps, batch=args.batch, lr=args.lr, rank=args.rank, eval_rows=args.eval_rows)
+    settings = Settings(steps=args.steps, batch=args.batch, lr=args.lr, rank=args.rank, eval_rows=args.eval_rows,
+                        controller_lr_scale=args.controller_lr_scale)
     seeds = list(range(args.seeds))
     only = [v for v in args.variants.split(",") if v] or None
     where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     title = (f"{where}; base: byte-level Llama {spec.width} wide, {spec.layers} layers, "
-             f"{spec.pretrain_steps} pretraining steps; {settings.steps} steps, batch {settings.batch}, lr {settings.lr}")
+             f"{spec.pretrain_steps} pretraining steps; {settings.steps} steps, batch {settings.batch}, lr {settings.lr}"
+             + (f", controller x{settings.controller_lr_scale:g}" if settings.controller_lr_scale != 1.0 else ""))
     rows: list[dict[str, Any]] = []
     report: dict[str, Any] = {"title": title, "settings": vars(settings), "base": asdict(spec), "rows": rows,
                               "chance": {name: chance(SUITES[name]()) for name in SUITES}, "complete": False}

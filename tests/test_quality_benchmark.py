@@ -80,6 +80,26 @@ def test_bad_arguments_are_refused_by_name():
         quality.main(["--suites", ""])  # nothing to run
     with pytest.raises(SystemExit):
         quality.main(["--eval-rows", "8"])  # too few to score each task
+    with pytest.raises(SystemExit):
+        quality.main(["--controller-lr-scale", "0"])
+
+
+def test_the_controller_learns_at_its_own_rate():
+    import copy
+
+    from quality_base import BaseSpec, fresh_model
+
+    base = fresh_model(BaseSpec(width=64, layers=1, pretrain_steps=0))
+    for param in base.parameters():
+        param.requires_grad_(False)
+    settings = quality.Settings(lr=1e-3, controller_lr_scale=0.1)
+    builders = quality.variants(lambda: copy.deepcopy(base), settings, "multitask", 4, 20)
+    bem, lora = builders["bem"](), builders["lora"]()
+    groups = quality.optimizer_for(bem, settings).param_groups
+    assert [g["lr"] for g in groups] == pytest.approx([1e-3, 1e-4])
+    assert {id(p) for p in groups[1]["params"]} == {id(p) for p in bem.controller.parameters() if p.requires_grad}
+    assert sum(len(g["params"]) for g in groups) == sum(1 for p in bem.parameters() if p.requires_grad)
+    assert [g["lr"] for g in quality.optimizer_for(lora, settings).param_groups] == [1e-3]
 
 
 def test_the_curve_alone_runs_bem_and_lora_at_each_rank(tmp_path):
