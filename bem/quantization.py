@@ -10,8 +10,9 @@
         quant_storage: uint8      # 4-bit only: the dtype the packed weight is stored as (uint8, or bfloat16,
                                   # float16, float32 for FSDP, which shards floating-point parameters only)
 
-BEM wraps the quantized layers as they are and adds its update beside them in the compute dtype; adapters
-saved from such a model load onto a freshly quantized base, and merging into a quantized weight is refused.
+BEM wraps the quantized layers and adds its update in the compute dtype (on a GPU, 4-bit layers take BEM's own
+4-bit path, bem/kernels/quant/); adapters saved from such a model load onto a freshly quantized base, and merging
+into a quantized weight is refused.
 """
 
 from __future__ import annotations
@@ -43,8 +44,7 @@ def check_quantization(values: Any, field: str = "model.quantization") -> Option
     if values is None:
         return None
     if not isinstance(values, dict):
-        raise QuantizationConfigError(field, f"must be a mapping (bits, quant_type, compute_dtype, double_quant, quant_storage), "
-                                             f"got {type(values).__name__}")
+        raise QuantizationConfigError(field, f"must be a mapping ({', '.join(KEYS)}), got {type(values).__name__}")
     unknown = sorted(set(values) - set(KEYS))
     if unknown:
         raise QuantizationConfigError(f"{field}.{unknown[0]}", f"unknown key; the keys are {', '.join(KEYS)}")
@@ -79,10 +79,11 @@ def bitsandbytes_config(values: dict[str, Any], field: str = "model.quantization
 
     if values["bits"] == 8:
         return BitsAndBytesConfig(load_in_8bit=True)
+    storage = values.get("quant_storage", FOUR_BIT_DEFAULTS["quant_storage"])  # a section checked before the key
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=values["quant_type"],
                               bnb_4bit_compute_dtype=COMPUTE_DTYPES[values["compute_dtype"]],
                               bnb_4bit_use_double_quant=values["double_quant"],
-                              bnb_4bit_quant_storage=STORAGE_DTYPES[values.get("quant_storage", "uint8")])
+                              bnb_4bit_quant_storage=STORAGE_DTYPES[storage])
 
 
 def load_quantized(path: str, values: dict[str, Any], device: torch.device, dtype: torch.dtype,

@@ -1,8 +1,8 @@
 """Does routing earn its cost? BEM against PEFT LoRA and DoRA at an equal trainable-parameter budget.
 
-    python benchmarks/quality.py [--suites multitask,control,recall (or "" for the curve alone)] [--seeds 3] [--steps 400] [--rank 8]
-        [--lr 3e-3] [--controller-lr-scale 1.0] [--base-width 256] [--base-layers 4] [--pretrain-steps 600]
-        [--cache-dir DIR] [--device auto]
+    python benchmarks/quality.py [--suites multitask,control,recall, or "" for the curve alone] [--seeds 3]
+        [--steps 400] [--rank 8] [--lr 3e-3] [--controller-lr-scale 1.0] [--base-width 256] [--base-layers 4]
+        [--pretrain-steps 600] [--cache-dir DIR] [--device auto]
         [--plot-ranks 2,4,8,16,32] [--plot quality.png] [--json quality.json]
 
 The frozen base is a byte-level Llama pretrained here on the installed packages' Python sources
@@ -330,8 +330,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     only = [v for v in args.variants.split(",") if v] or None
     where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     title = (f"{where}; base: byte-level Llama {spec.width} wide, {spec.layers} layers, "
-             f"{spec.pretrain_steps} pretraining steps; {settings.steps} steps, batch {settings.batch}, lr {settings.lr}"
-             + (f", controller x{settings.controller_lr_scale:g}" if settings.controller_lr_scale != 1.0 else ""))
+             f"{spec.pretrain_steps} pretraining steps; {settings.steps} steps, batch {settings.batch}, "
+             f"lr {settings.lr}" + (f", controller x{settings.controller_lr_scale:g}"
+                                    if settings.controller_lr_scale != 1.0 else ""))
     rows: list[dict[str, Any]] = []
     report: dict[str, Any] = {"title": title, "settings": vars(settings), "base": asdict(spec), "rows": rows,
                               "chance": {name: chance(SUITES[name]()) for name in SUITES}, "complete": False}

@@ -233,7 +233,7 @@ def _forward_checked(module: BEMLinear, spec: tuple, x: torch.Tensor, codes: Opt
     params = module._parameters
     V, U, joint = packed if packed is not None else (params["bem_V"], params["bem_U"], None)
     if not owns_product and use_fused and not (has_dropout and module.training):
-        # a 4-bit bitsandbytes layer at decode sizes: its packed weight and the update in one kernel
+        # a 4-bit bitsandbytes layer: BEM's 4-bit path (bem/kernels/quant/ops.py), or None where it declines
         y = quant_ops.fused_linear(module._modules["base_layer"], x, V, codes, U, scaling)
         if y is not None:
             return y

@@ -5,7 +5,7 @@
 #        [mixer-tests] [mixer-errors]
 #        [fftconv-bench] [mlstm-bench] [mlstm-tests] [training-tests] [sweep] [profile] [train] [train-sweep] [breakdown]
 #        [prefill-breakdown] [compiled-breakdown] [controller-profile] [host-cost] [host-cost-ranks] [gemm-tests] [decode-tests] [train-repeat-probe] [inference-tests] [eager-sweep] [compiled-sweep] [compiled-sweep-pack-off] [compiled-host] [warmup-probe]
-#        [decode-steps] [saved-tensors] [sass-compare] [quant4-tests] [quant4-bench] [nf4-profile] [tma-tests] [bench] [bench-shapes] [mode-sweep] [conv1d-sweep] [decode-split-sweep] [conv1d-split-sweep] [backward-sweep] [sass] [ncu] [cpu-tests]   (bench-shapes reads
+#        [decode-steps] [train-memory] [sass-compare] [quant4-tests] [quant4-bench] [nf4-profile] [tma-tests] [bench] [bench-shapes] [mode-sweep] [conv1d-sweep] [decode-split-sweep] [conv1d-split-sweep] [backward-sweep] [sass] [ncu] [cpu-tests]   (bench-shapes reads
 #        BENCH_SHAPES, e.g. 1x4096x4096x8,...; the sweeps read SWEEP_SHAPES the same way, or sweep their
 #        default shapes; prefill-breakdown reads BREAKDOWN_MODEL: llama-1b or gpt2; sweep reads SWEEP_CONFIGS,
 #        comma-separated profile names, default all; train-sweep reads TRAIN_CONFIGS, space-separated;
@@ -173,9 +173,10 @@ yaml.safe_dump(config, open(f"/tmp/compiled_configs/profile_{name}.yaml", "w"), 
         tests/gpu/test_quant4_kernel.py tests/gpu/test_quant4_prefill.py tests/test_quant4_layout.py \
         tests/test_quantized_bases.py ;;
     quant4-bench) step quant4_bench ${QUANT4_BENCH_LIMIT:-200} python3 -m bem.kernels.bench --quant4 --json "$OUT/quant4_bench.json" ;;
-    # what a training step keeps for its backward, BEM against LoRA, by shape (SAVED_CONFIG: a profile name)
-    saved-tensors) step saved_tensors ${SAVED_LIMIT:-240} env PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} python3 \
-        scripts/saved_tensors_diff.py --config "configs/profile_${SAVED_CONFIG:-qwen2_0.5b_nf4}.yaml" ${SAVED_ARGS:-} ;;
+    # where a training step's memory goes, BEM against LoRA (MEMORY_CONFIG: a profile name; MEMORY_ARGS, e.g.
+    # "--setup bf16 --allocations")
+    train-memory) step train_memory ${MEMORY_LIMIT:-240} env PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} python3 \
+        scripts/train_memory_probe.py --config "configs/profile_${MEMORY_CONFIG:-qwen2_0.5b_nf4}.yaml" ${MEMORY_ARGS:-} ;;
     nf4-profile) step nf4_profile ${NF4_LIMIT:-300} python3 profile.py --config configs/profile_qwen2_0.5b_nf4.yaml \
         --repeats ${NF4_REPEATS:-5} --output-dir "$OUT/nf4" ;;
     decode-steps) step "decode_steps${DECODE_TAG:+_$DECODE_TAG}" ${DECODE_LIMIT:-400} env PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} \

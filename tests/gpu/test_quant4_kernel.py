@@ -55,9 +55,7 @@ def counted_4bit_calls():
 
 
 def call(x, weight, bias, V, codes, U, scaling):
-    return custom_ops.extension().quant4_linear_decode(
-        x, weight.packed, weight.absmax, weight.code, weight.absmax2, weight.code2, weight.offset, weight.blocksize,
-        weight.blocksize2, weight.out_features, bias, V, codes, U, scaling)
+    return custom_ops.extension().quant4_linear_decode(x, *weight.layout_args(), bias, V, codes, U, scaling)
 
 
 def operands(M, K, N, r, dtype, seed, codes=True, bias=True):

@@ -26,11 +26,6 @@ pytestmark = [
 QUANTS = [("nf4", False), ("nf4", True), ("fp4", False), ("fp4", True)]
 
 
-def layout_args(weight: reference.Quant4Weight) -> tuple:
-    return (weight.packed, weight.absmax, weight.code, weight.absmax2, weight.code2, weight.offset, weight.blocksize,
-            weight.blocksize2, weight.out_features)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("quant_type,nested", QUANTS)
 @pytest.mark.parametrize("N,K,blocksize", [(40, 96, 64), (200, 320, 128), (77, 4864, 256), (4096, 1024, 64)])
@@ -40,7 +35,7 @@ def test_dequantize_matches_bitsandbytes_and_float64(dtype, quant_type, nested, 
     weight, packed, state = quantized_weight(N, K, quant_type, nested, blocksize, seed=stable_seed(N, K, quant_type))
     like = torch.empty(1, K, device="cuda", dtype=dtype)
     poison_allocator(like.device, N * K)
-    ours = custom_ops.extension().quant4_dequantize(like, *layout_args(weight), K)
+    ours = custom_ops.extension().quant4_dequantize(like, *weight.layout_args(), K)
     assert ours.dtype == dtype and ours.shape == (N, K)
     exact = reference.dequantize(weight, torch.float64)
     step = torch.finfo(dtype).eps  # one step of the dtype at 1: a rounding moves a value by at most half of that
@@ -68,7 +63,7 @@ def test_linear_matches_float64(quant_type, nested, lead, N, K, r, blocksize):
     expected = reference.quant4_linear(x.double(), weight, b, V, c, U, 0.75, torch.float64)
     in_dtype = reference.quant4_linear(x, weight, b, V, c, U, 0.75, dtype)
     poison_allocator(x.device, M * N)
-    y = custom_ops.extension().quant4_linear(x, *layout_args(weight), b, V, c, U, 0.75)
+    y = custom_ops.extension().quant4_linear(x, *weight.layout_args(), b, V, c, U, 0.75)
     assert y.dtype == dtype and y.shape == (*lead, N)
     assert rel_err(y, expected) <= bound(rel_err(in_dtype, expected), dtype)
 
@@ -98,7 +93,7 @@ def test_autograd_gradients_match_float64(dtype, M, needs):
         return out
 
     def kernel(x_, V_, c_, U_):
-        return custom_ops.extension().quant4_fused_linear(x_, *layout_args(weight), b, V_, c_, U_, 0.5)
+        return custom_ops.extension().quant4_fused_linear(x_, *weight.layout_args(), b, V_, c_, U_, 0.5)
 
     def ref(x_, V_, c_, U_):
         return reference.quant4_linear(x_, weight, b, V_, c_, U_, 0.5, x_.dtype)
@@ -121,11 +116,11 @@ def test_autograd_keeps_no_16bit_weight():
     x, V, c, U, b = operands(64, K, N, 8, torch.bfloat16, seed=11, codes=True, bias=False)
     V.requires_grad_(True)
     # a first call: what a process's first calls allocate for good (cuBLAS's workspace) is not counted as held
-    custom_ops.extension().quant4_fused_linear(x, *layout_args(weight), None, V, c, U, 1.0).float().sum().backward()
+    custom_ops.extension().quant4_fused_linear(x, *weight.layout_args(), None, V, c, U, 1.0).float().sum().backward()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
-    y = custom_ops.extension().quant4_fused_linear(x, *layout_args(weight), None, V, c, U, 1.0)
+    y = custom_ops.extension().quant4_fused_linear(x, *weight.layout_args(), None, V, c, U, 1.0)
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated() - before
     assert held < N * K * 2 / 8, held / 2**20  # y is 0.5 MiB; the weight would be 32 MiB
@@ -137,7 +132,7 @@ def test_autograd_refuses_a_trained_bias():
     weight, _, _ = quantized_weight(64, 128, "nf4", False, 64, seed=3)
     x, V, c, U, b = operands(20, 128, 64, 4, torch.bfloat16, seed=3)
     with pytest.raises(ValueError, match="bias must not require grad"):
-        custom_ops.extension().quant4_fused_linear(x, *layout_args(weight), b.requires_grad_(True), V, c, U, 1.0)
+        custom_ops.extension().quant4_fused_linear(x, *weight.layout_args(), b.requires_grad_(True), V, c, U, 1.0)
 
 
 @pytest.mark.parametrize("what,change,message", [

@@ -40,7 +40,8 @@ def weight_from_state(packed: Tensor, state: object) -> Optional[Quant4Weight]:
     if packed.dtype != torch.uint8:
         return None
     shape = tuple(getattr(state, "shape", ()) or ())
-    code, absmax, blocksize = getattr(state, "code", None), getattr(state, "absmax", None), getattr(state, "blocksize", 0)
+    code, absmax = getattr(state, "code", None), getattr(state, "absmax", None)
+    blocksize = getattr(state, "blocksize", 0)
     if len(shape) != 2 or code is None or absmax is None or code.numel() != 16 or not isinstance(blocksize, int):
         return None
     N, K = shape
@@ -135,14 +136,10 @@ def fused_linear(layer: nn.Module, x: Tensor, V: Tensor, codes: Optional[Tensor]
         y = kernel_call(weight, x2, bias, V.contiguous(), codes2, U.contiguous(), scaling)
         return y.reshape(*x.shape[:-1], weight.out_features)
     call = custom_ops.extension().quant4_fused_linear if grad else custom_ops.extension().quant4_linear
-    return call(x.contiguous(), weight.packed, weight.absmax, weight.code, weight.absmax2, weight.code2,
-                weight.offset, weight.blocksize, weight.blocksize2, weight.out_features, bias, V.contiguous(), codes,
-                U.contiguous(), float(scaling))
+    return call(x.contiguous(), *weight.layout_args(), bias, V.contiguous(), codes, U.contiguous(), float(scaling))
 
 
 def kernel_call(weight: Quant4Weight, x: Tensor, bias: Optional[Tensor], V: Tensor, codes: Optional[Tensor],
                 U: Tensor, scaling: float) -> Tensor:
     """The kernel itself on 2-D operands (x (M, K), codes (M, r)), whatever the dispatch rule would say."""
-    return custom_ops.extension().quant4_linear_decode(
-        x, weight.packed, weight.absmax, weight.code, weight.absmax2, weight.code2, weight.offset, weight.blocksize,
-        weight.blocksize2, weight.out_features, bias, V, codes, U, float(scaling))
+    return custom_ops.extension().quant4_linear_decode(x, *weight.layout_args(), bias, V, codes, U, float(scaling))

@@ -26,6 +26,11 @@ class Quant4Weight:
     offset: float = 0.0
     blocksize2: int = 0
 
+    def layout_args(self) -> tuple:
+        """The weight's arguments of the extension's 4-bit calls, in their order (weight through out_features)."""
+        return (self.packed, self.absmax, self.code, self.absmax2, self.code2, self.offset, self.blocksize,
+                self.blocksize2, self.out_features)
+
 
 def block_absmax(weight: Quant4Weight, dtype: torch.dtype = torch.float32) -> Tensor:
     """Each block's absmax in `dtype`, undoing double quantization where there is one."""

@@ -1,4 +1,5 @@
-// Torch bindings of the kernels for quantized frozen weights: the 4-bit linear with BEM's update at decode sizes.
+// Torch bindings of the kernels for quantized frozen weights: the 4-bit linear with BEM's update, at decode sizes
+// (one kernel) and above them (the weight dequantized, then the low-rank family's linear; with autograd).
 // Every operand is checked here (ValueError naming it) before anything is allocated or launched.
 #include <torch/extension.h>
 
