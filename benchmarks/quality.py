@@ -3,7 +3,7 @@
     python benchmarks/quality.py [--suites multitask,control,recall, or "" for the curve alone] [--seeds 3]
         [--steps 400] [--rank 8] [--lr 3e-3] [--controller-lr-scale 1.0] [--base-width 256] [--base-layers 4]
         [--pretrain-steps 600] [--cache-dir DIR] [--device auto]
-        [--plot-ranks 2,4,8,16,32] [--plot quality.png] [--json quality.json]
+        [--plot-ranks 2,4,8,16,32] [--plot quality.png] [--json quality.json] [--jobs 1]
 
 The frozen base is a byte-level Llama pretrained here on the installed packages' Python sources
 (quality_base.py; cached in --cache-dir). On it, every variant trains the same steps on the same data stream
@@ -26,12 +26,15 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import multiprocessing
+import os
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -193,60 +196,114 @@ def evaluate(model: nn.Module, suite, settings: Settings, seed: int, device: tor
     return scores
 
 
-def run_suite(base: nn.Module, suite_name: str, suite, settings: Settings, seeds: list[int], device: torch.device,
-              only: Optional[list[str]], log: Callable[[str], None],
-              on_row: Callable[[dict[str, Any]], None] = lambda row: None) -> list[dict[str, Any]]:
-    """Each variant's row (mean and std over `seeds`), handed to `on_row` as soon as it is done."""
-    base_copy = lambda: copy.deepcopy(base)  # noqa: E731
-    builders = variants(base_copy, settings, suite_name, settings.rank, suite.sequence_length)
-    rows, budget = [], None
-    for name, build in builders.items():
-        if only and name not in only:
-            continue
-        results, params, share = [], 0, None
-        for seed in seeds:
-            torch.manual_seed(seed)
-            model = build().to(device)
-            params = trainable(model)
-            controller = getattr(model, "controller", None)
-            if controller is not None and name == "bem":
-                share = sum(p.numel() for p in controller.parameters()) / params
-            started = time.perf_counter()
-            losses = train(model, suite, settings, seed, device)
-            scores = evaluate(model, suite, settings, seed, device)
-            results.append({"seed": seed, "scores": scores, "losses": losses,
-                            "seconds": round(time.perf_counter() - started, 1)})
-            log(f"  {suite_name} {name} seed {seed}: {json.dumps({k: round(v, 3) for k, v in scores.items()})} "
-                f"({results[-1]['seconds']} s)")
-            del model
-        if name == "bem":
-            budget = params
-        key = "accuracy" if suite_name == "recall" else "mean"
-        values = [r["scores"][key] for r in results]
-        rows.append({"suite": suite_name, "variant": name, "trainable": params,
-                     "budget": None if budget is None else params / budget, "controller_share": share,
-                     "mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-                     "seeds": results})
-        on_row(rows[-1])
-    return rows
+@dataclass(frozen=True)
+class Job:
+    """One training run: a variant of a suite at a rank, on one seed."""
+    suite: str
+    rank: int
+    variant: str
+    seed: int
 
 
-def rank_curve(base: nn.Module, suite, settings: Settings, ranks: list[int], seeds: list[int],
-               device: torch.device, log: Callable[[str], None],
-               on_point: Callable[[list[dict[str, Any]]], None] = lambda points: None) -> list[dict[str, Any]]:
-    """Multi-task score against trainable parameters: BEM (routed) and LoRA at each rank; `on_point` gets the
-    points so far after each."""
-    points: list[dict[str, Any]] = []
-    for rank in ranks:
-        ranked = replace(settings, rank=rank)
+def variant_names(suite_name: str) -> list[str]:
+    """The variants of a suite, in the table's order (the keys `variants` builds)."""
+    names = ["bem", "bem_static", "lora", "dora"] + [f"bem-{level}" for level in ABLATIONS]
+    return names + (["bem+hyena", "bem+mlstm"] if suite_name == "recall" else [])
 
-        def add(row: dict[str, Any], rank: int = rank) -> None:
-            points.append({"variant": row["variant"], "rank": rank, "trainable": row["trainable"],
-                           "mean": row["mean"], "std": row["std"]})
-            on_point(points)
 
-        run_suite(base, "multitask", suite, ranked, seeds, device, ["bem", "lora"], log, on_row=add)
-    return points
+def run_job(base: nn.Module, job: Job, settings: Settings, device: torch.device) -> dict[str, Any]:
+    """Train and score one variant on one seed: its scores, losses, seconds, trainable parameters and (for
+    `bem`) the controller's share of them."""
+    suite = SUITES[job.suite]()
+    settings = replace(settings, rank=job.rank)
+    builders = variants(lambda: copy.deepcopy(base), settings, job.suite, job.rank, suite.sequence_length)
+    torch.manual_seed(job.seed)
+    model = builders[job.variant]().to(device)
+    params = trainable(model)
+    controller = getattr(model, "controller", None)
+    share = (sum(p.numel() for p in controller.parameters()) / params
+             if controller is not None and job.variant == "bem" else None)
+    started = time.perf_counter()
+    losses = train(model, suite, settings, job.seed, device)
+    scores = evaluate(model, suite, settings, job.seed, device)
+    return {"seed": job.seed, "scores": scores, "losses": losses, "params": params, "share": share,
+            "seconds": round(time.perf_counter() - started, 1)}
+
+
+_WORKER: dict[str, Any] = {}  # a worker process's base and device, loaded once by `_start_worker`
+
+
+def _start_worker(spec: BaseSpec, cache_dir: Optional[Path], device: str, threads: int) -> None:
+    torch.set_num_threads(threads)
+    _WORKER["device"] = torch.device(device)
+    _WORKER["base"] = frozen_base(spec, _WORKER["device"], cache_dir, lambda text: None)
+    for param in _WORKER["base"].parameters():
+        param.requires_grad_(False)
+
+
+def _worker_job(job: Job, settings: Settings) -> dict[str, Any]:
+    return run_job(_WORKER["base"], job, settings, _WORKER["device"])
+
+
+def run_jobs(jobs: list[Job], base: nn.Module, settings: Settings, device: torch.device, workers: int,
+             spec: BaseSpec, cache_dir: Optional[Path], threads: int) -> Iterator[tuple[Job, dict[str, Any]]]:
+    """Each job's result as it finishes: in order in this process, or from `workers` processes of their own
+    (each loads the base from `cache_dir`), which keeps a host-bound GPU busy with several runs at once."""
+    if workers <= 1:
+        for job in jobs:
+            yield job, run_job(base, job, settings, device)
+        return
+    context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
+                             initargs=(spec, cache_dir, str(device), threads)) as pool:
+        futures = {pool.submit(_worker_job, job, settings): job for job in jobs}
+        try:
+            for future in as_completed(futures):
+                yield futures[future], future.result()
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+
+
+class Rows:
+    """Turns finished runs into the table's rows (mean and std over seeds), each handed to `on_row` once all its
+    seeds are in and every row before it was handed on, so rows keep the table's order whatever finishes first."""
+
+    def __init__(self, jobs: list[Job], on_row: Callable[[dict[str, Any]], None]) -> None:
+        self._order: list[tuple[str, int, str]] = []
+        self._seeds: dict[tuple[str, int, str], int] = {}
+        for job in jobs:
+            key = (job.suite, job.rank, job.variant)
+            if key not in self._seeds:
+                self._order.append(key)
+                self._seeds[key] = 0
+            self._seeds[key] += 1
+        self._done: dict[tuple[str, int, str], list[dict[str, Any]]] = {key: [] for key in self._order}
+        self._budgets: dict[tuple[str, int], int] = {}
+        self._next = 0
+        self._on_row = on_row
+
+    def add(self, job: Job, result: dict[str, Any]) -> None:
+        self._done[(job.suite, job.rank, job.variant)].append(result)
+        while self._next < len(self._order) and len(self._done[self._order[self._next]]) == \
+                self._seeds[self._order[self._next]]:
+            self._on_row(self._row(self._order[self._next]))
+            self._next += 1
+
+    def _row(self, key: tuple[str, int, str]) -> dict[str, Any]:
+        suite, rank, variant = key
+        results = sorted(self._done[key], key=lambda r: r["seed"])
+        params = results[0]["params"]
+        if variant == "bem":
+            self._budgets[(suite, rank)] = params
+        budget = self._budgets.get((suite, rank))
+        values = [r["scores"]["accuracy" if suite == "recall" else "mean"] for r in results]
+        seeds = [{k: r[k] for k in ("seed", "scores", "losses", "seconds")} for r in results]
+        return {"suite": suite, "variant": variant, "rank": rank, "trainable": params,
+                "budget": None if budget is None else params / budget, "controller_share": results[0]["share"],
+                "mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+                "seeds": seeds}
 
 
 def plot(points: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -301,7 +358,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--plot-ranks", default="", help="e.g. 2,4,8,16,32: the score-against-parameters curve")
     parser.add_argument("--plot", type=Path, default=Path("quality.png"))
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--threads", type=int)
+    parser.add_argument("--threads", type=int, help="torch threads per process (default: the cores over --jobs)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs at once, each in a process of its own (a host-bound GPU takes several)")
     args = parser.parse_args(argv)
     suites = [name for name in args.suites.split(",") if name]  # empty with --plot-ranks: the curve alone
     unknown = sorted(set(suites) - set(SUITES))
@@ -315,8 +374,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(f"--controller-lr-scale must be positive, got {args.controller_lr_scale}")
     if args.seeds < 1:
         parser.error("--seeds must be at least 1")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    only = [v for v in args.variants.split(",") if v] or None
+    known = {name for suite in suites or SUITES for name in variant_names(suite)}
+    if only and set(only) - known:
+        parser.error(f"unknown variant {sorted(set(only) - known)[0]!r} for these suites; "
+                     f"the variants are {', '.join(sorted(known))}")
+    try:
+        ranks = [int(r) for r in args.plot_ranks.split(",") if r]
+    except ValueError:
+        parser.error(f"--plot-ranks must be comma-separated integers, got {args.plot_ranks!r}")
+    if any(rank < 1 for rank in ranks):
+        parser.error(f"--plot-ranks must be positive, got {args.plot_ranks!r}")
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
+    torch.set_num_threads(threads)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
@@ -327,7 +399,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     settings = Settings(steps=args.steps, batch=args.batch, lr=args.lr, rank=args.rank, eval_rows=args.eval_rows,
                         controller_lr_scale=args.controller_lr_scale)
     seeds = list(range(args.seeds))
-    only = [v for v in args.variants.split(",") if v] or None
     where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     title = (f"{where}; base: byte-level Llama {spec.width} wide, {spec.layers} layers, "
              f"{spec.pretrain_steps} pretraining steps; {settings.steps} steps, batch {settings.batch}, "
@@ -341,14 +412,28 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.json:
             atomic_write_json(args.json, report)
 
-    for name in suites:
-        run_suite(base, name, SUITES[name](), settings, seeds, device, only, log,
-                  on_row=lambda row: (rows.append(row), save()))
-    if args.plot_ranks:
+    jobs = [Job(name, settings.rank, variant, seed) for name in suites for variant in variant_names(name)
+            if not only or variant in only for seed in seeds]
+    jobs += [Job("multitask", rank, variant, seed) for rank in ranks for variant in ("bem", "lora")
+             for seed in seeds]
+    jobs = list(dict.fromkeys(jobs))  # a curve point at the suites' rank is the multitask row's run
+    if ranks:
         report["rank_curve"] = []
-        points = rank_curve(base, SUITES["multitask"](), settings, [int(r) for r in args.plot_ranks.split(",")],
-                            seeds, device, log, on_point=lambda points: (report.update(rank_curve=points), save()))
-        plot(points, args.plot, title)
+
+    def on_row(row: dict[str, Any]) -> None:
+        if row["suite"] in suites and row["rank"] == settings.rank and (not only or row["variant"] in only):
+            rows.append(row)
+        if row["rank"] in ranks and row["suite"] == "multitask" and row["variant"] in ("bem", "lora"):
+            report["rank_curve"].append({k: row[k] for k in ("variant", "rank", "trainable", "mean", "std")})
+        save()
+
+    collected = Rows(jobs, on_row)
+    for job, result in run_jobs(jobs, base, settings, device, args.jobs, spec, args.cache_dir, threads):
+        log(f"  {job.suite} {job.variant}{f' rank {job.rank}' if job.rank != settings.rank else ''} seed {job.seed}: "
+            f"{json.dumps({k: round(v, 3) for k, v in result['scores'].items()})} ({result['seconds']} s)")
+        collected.add(job, result)
+    if ranks:
+        plot(report["rank_curve"], args.plot, title)
     report["complete"] = True
     save()
     print(title)

@@ -82,6 +82,12 @@ def test_bad_arguments_are_refused_by_name():
         quality.main(["--eval-rows", "8"])  # too few to score each task
     with pytest.raises(SystemExit):
         quality.main(["--controller-lr-scale", "0"])
+    with pytest.raises(SystemExit):
+        quality.main(["--jobs", "0"])
+    with pytest.raises(SystemExit):
+        quality.main(["--suites", "multitask", "--variants", "bem+hyena"])  # a mixer runs on recall only
+    with pytest.raises(SystemExit):
+        quality.main(["--suites", "", "--plot-ranks", "2,four"])
 
 
 def test_the_controller_learns_at_its_own_rate():
@@ -134,3 +140,24 @@ def test_a_run_cut_off_keeps_the_variants_it_finished(tmp_path, monkeypatch):
     report = json.loads(out.read_text())
     assert not report["complete"]
     assert [row["variant"] for row in report["rows"]] == ["bem"] and len(report["rows"][0]["seeds"]) == 2
+
+
+def test_runs_in_worker_processes_give_the_same_rows_as_in_order(tmp_path):
+    """--jobs 2: the runs in two processes of their own (each loading the cached base), the rows in the table's
+    order and each seed's scores equal to the same runs made one after another in this process."""
+    common = ["--suites", "multitask", "--variants", "bem,lora", "--seeds", "2", "--steps", "6", "--batch", "4",
+              "--eval-rows", "48", "--base-width", "64", "--base-layers", "1", "--pretrain-steps", "0",
+              "--cache-dir", str(tmp_path / "cache"), "--device", "cpu", "--threads", "1"]
+    reports = []
+    for jobs in ("1", "2"):
+        out = tmp_path / f"jobs{jobs}.json"
+        assert quality.main(common + ["--jobs", jobs, "--json", str(out)]) == 0
+        reports.append(json.loads(out.read_text()))
+    in_order, parallel = reports
+    assert [row["variant"] for row in parallel["rows"]] == ["bem", "lora"]
+    for one, two in zip(in_order["rows"], parallel["rows"]):
+        assert (one["trainable"], one["budget"]) == (two["trainable"], two["budget"])
+        assert [s["seed"] for s in two["seeds"]] == [0, 1]
+        assert [s["scores"] for s in one["seeds"]] == [s["scores"] for s in two["seeds"]]
+        losses = [[loss for seed in row["seeds"] for loss in seed["losses"]] for row in (one, two)]
+        assert losses[0] == pytest.approx(losses[1], rel=1e-5)
