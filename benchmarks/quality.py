@@ -1,6 +1,6 @@
 """Does routing earn its cost? BEM against PEFT LoRA and DoRA at an equal trainable-parameter budget.
 
-    python benchmarks/quality.py [--suites multitask,control,recall, or "" for the curve alone] [--seeds 3]
+    python benchmarks/quality.py [--suites multitask,control,recall,recall16, or "" for the curve alone] [--seeds 3]
         [--steps 400] [--rank 8] [--lr 3e-3] [--controller-lr-scale 1.0] [--base-width 256] [--base-layers 4]
         [--pretrain-steps 600] [--cache-dir DIR] [--device auto]
         [--plot-ranks 2,4,8,16,32] [--plot quality.png] [--json quality.json] [--jobs 1]
@@ -11,9 +11,10 @@ The frozen base is a byte-level Llama pretrained here on the installed packages'
 
 - `bem`: routing on at --rank; `bem_static`: routing off at the rank whose trainable parameters come closest
   to `bem`'s; `lora` and `dora`: PEFT's adapters on the same linears at their closest ranks;
-- `bem-prefix`, `bem-chunk`, `bem-token`, `bem-gate`: `bem` with one routing level held at its initial,
-  neutral value (its parameters frozen), to say which level carries a gain;
-- recall suite only: `bem+hyena`, `bem+mlstm`, a mixer after every block.
+- transform suites (multitask, control): `bem-prefix`, `bem-chunk`, `bem-token`, `bem-gate`: `bem` with one
+  routing level held at its initial, neutral value (its parameters frozen), to say which level carries a gain;
+- recall suites (8 pairs and 4 queries; 16 pairs and 8 queries): `bem+hyena`, `bem+mlstm`, a mixer after every
+  block.
 
 Scores: the multi-task and control suites, exact match of the whole answer (every answer token the argmax
 under teacher forcing, which is what greedy decoding reproduces), per task and averaged; recall, per-query
@@ -30,6 +31,7 @@ import multiprocessing
 import os
 import statistics
 import sys
+import textwrap
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, replace
@@ -55,10 +57,12 @@ ABLATIONS = {  # level -> the controller parameters that make it (their last lay
 }
 SUITES = {
     "multitask": lambda: TransformSuite(),
-    "control": lambda: TransformSuite(tasks=("reverse",)),
+    # one task that every variant learns part of within the steps (reverse and sort stay near zero for all, which
+    # would hide any cost of routing)
+    "control": lambda: TransformSuite(tasks=("running_max",)),
     "recall": lambda: RecallSuite(pairs=8, queries=4),
+    "recall16": lambda: RecallSuite(pairs=16, queries=8),  # every key of the alphabet, twice the length
 }
-RECALL_SHAPES = [(8, 4), (16, 8)]  # (pairs, queries) of the recall rows
 
 
 @dataclass
@@ -127,7 +131,7 @@ def variants(base_copy: Callable[[], nn.Module], settings: Settings, suite_name:
     for level, prefixes in ABLATIONS.items():
         builders[f"bem-{level}"] = lambda prefixes=prefixes: without_level(
             create_hierarchical_bem(base_copy(), bem_config(settings, rank, length=length)), prefixes)
-    if suite_name == "recall":
+    if is_recall(suite_name):
         for mixer in ("hyena", "mlstm"):
             builders[f"bem+{mixer}"] = lambda mixer=mixer: create_hierarchical_bem(
                 base_copy(), bem_config(settings, rank, mixer=mixer, length=length))
@@ -205,10 +209,17 @@ class Job:
     seed: int
 
 
+def is_recall(suite_name: str) -> bool:
+    return suite_name.startswith("recall")
+
+
 def variant_names(suite_name: str) -> list[str]:
-    """The variants of a suite, in the table's order (the keys `variants` builds)."""
-    names = ["bem", "bem_static", "lora", "dora"] + [f"bem-{level}" for level in ABLATIONS]
-    return names + (["bem+hyena", "bem+mlstm"] if suite_name == "recall" else [])
+    """The variants of a suite, in the table's order (the keys `variants` builds): the routing levels are ablated
+    on the transform suites, the mixers added on the recall suites."""
+    names = ["bem", "bem_static", "lora", "dora"]
+    if is_recall(suite_name):
+        return names + ["bem+hyena", "bem+mlstm"]
+    return names + [f"bem-{level}" for level in ABLATIONS]
 
 
 def run_job(base: nn.Module, job: Job, settings: Settings, device: torch.device) -> dict[str, Any]:
@@ -298,7 +309,7 @@ class Rows:
         if variant == "bem":
             self._budgets[(suite, rank)] = params
         budget = self._budgets.get((suite, rank))
-        values = [r["scores"]["accuracy" if suite == "recall" else "mean"] for r in results]
+        values = [r["scores"]["accuracy" if is_recall(suite) else "mean"] for r in results]
         seeds = [{k: r[k] for k in ("seed", "scores", "losses", "seconds")} for r in results]
         return {"suite": suite, "variant": variant, "rank": rank, "trainable": params,
                 "budget": None if budget is None else params / budget, "controller_share": results[0]["share"],
@@ -317,14 +328,30 @@ def plot(points: list[dict[str, Any]], path: Path, title: str) -> None:
         mine = sorted((p for p in points if p["variant"] == variant), key=lambda p: p["trainable"])
         axes.errorbar([p["trainable"] for p in mine], [p["mean"] for p in mine], yerr=[p["std"] for p in mine],
                       marker="o", capsize=3, label={"bem": "BEM (routed)", "lora": "PEFT LoRA"}[variant])
+        for point in mine:
+            axes.annotate(f"r{point['rank']}", (point["trainable"], point["mean"]), textcoords="offset points",
+                          xytext=(4, -10), fontsize=7)
     axes.set_xscale("log")
     axes.set_xlabel("trainable parameters")
     axes.set_ylabel("multi-task exact match")
-    axes.set_title(title, fontsize=9)
+    axes.set_title(textwrap.fill(title, 90), fontsize=8)
     axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def replot(report_path: Path, png: Path, parser: argparse.ArgumentParser) -> int:
+    try:
+        report = json.loads(report_path.read_text())
+    except (OSError, ValueError) as error:
+        parser.error(f"--replot: cannot read {report_path}: {error}")
+    points = report.get("rank_curve") if isinstance(report, dict) else None
+    if not points:
+        parser.error(f"--replot: {report_path} has no rank curve (it was run without --plot-ranks)")
+    plot(points, png, report.get("title", "") + ("" if report.get("complete") else " (cut off)"))
+    print(f"wrote {png}")
+    return 0
 
 
 def table(rows: list[dict[str, Any]], seeds: int) -> str:
@@ -340,7 +367,7 @@ def table(rows: list[dict[str, Any]], seeds: int) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suites", default="multitask,control,recall")
+    parser.add_argument("--suites", default="multitask,control,recall,recall16")
     parser.add_argument("--variants", default="", help="comma-separated subset of the variants (default: all)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=Settings.steps)
@@ -358,10 +385,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--plot-ranks", default="", help="e.g. 2,4,8,16,32: the score-against-parameters curve")
     parser.add_argument("--plot", type=Path, default=Path("quality.png"))
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--replot", type=Path, metavar="JSON",
+                        help="draw the rank curve of a report written earlier (complete or cut off) to --plot; "
+                             "nothing is trained")
     parser.add_argument("--threads", type=int, help="torch threads per process (default: the cores over --jobs)")
     parser.add_argument("--jobs", type=int, default=1,
                         help="runs at once, each in a process of its own (a host-bound GPU takes several)")
     args = parser.parse_args(argv)
+    if args.replot:
+        return replot(args.replot, args.plot, parser)
     suites = [name for name in args.suites.split(",") if name]  # empty with --plot-ranks: the curve alone
     unknown = sorted(set(suites) - set(SUITES))
     if unknown:

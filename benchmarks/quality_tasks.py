@@ -3,7 +3,8 @@
 - **Multi-task suite**: `<marker> x_1 .. x_n = y_1 .. y_n`; the marker (one byte) says which of six transformations
   of the symbols x gives y: copy, reverse, sort, shift (+1 in the alphabet), complement (mirror in the alphabet),
   running maximum. Only the context says which task a row is, which is what routing may use.
-- **Single-task control**: the same format with one task (reverse) only: routing has nothing to choose between.
+- **Single-task control**: the same format with one task (running maximum) only: routing has nothing to choose
+  between.
 - **Multi-query associative recall** (Zoology's MQAR): `k_1 v_1 .. k_P v_P | q_1 a_1 .. q_Q a_Q`, each query a key
   from the pairs and its answer that key's value.
 

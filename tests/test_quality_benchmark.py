@@ -120,6 +120,11 @@ def test_the_curve_alone_runs_bem_and_lora_at_each_rank(tmp_path):
     points = {(p["variant"], p["rank"]): p["trainable"] for p in report["rank_curve"]}
     assert set(points) == {("bem", 2), ("bem", 4), ("lora", 2), ("lora", 4)}
     assert points[("bem", 2)] < points[("bem", 4)] and points[("lora", 2)] < points[("lora", 4)]
+    again = tmp_path / "again.png"  # the curve drawn again from the report alone
+    assert quality.main(["--replot", str(out), "--plot", str(again)]) == 0 and again.stat().st_size > 0
+    with pytest.raises(SystemExit):  # a report without a curve is refused by name
+        (tmp_path / "no_curve.json").write_text(json.dumps({"rows": []}))
+        quality.main(["--replot", str(tmp_path / "no_curve.json")])
 
 
 def test_a_run_cut_off_keeps_the_variants_it_finished(tmp_path, monkeypatch):
