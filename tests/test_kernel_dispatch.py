@@ -406,3 +406,19 @@ def test_benchmark_shapes_parse():
 
     assert bench.parse_shapes("1x4096x4096x8, 16x2048x8192x32") == [(1, 4096, 4096, 8), (16, 2048, 8192, 32)]
     assert fftconv_bench._shapes("1x768x1048576, 8x864x3000") == [(1, 768, 1048576), (8, 864, 3000)]
+
+
+def test_the_fftconv_benchmark_compares_each_unaligned_length_with_an_aligned_one_of_its_transform_size():
+    from bem.kernels.fftconv import bench as fftconv_bench
+
+    assert [fftconv_bench.transform_size(L) for L in (1, 1000, 1021, 1024, 1025, 3000, 4096)] == \
+        [2, 2048, 2048, 2048, 4096, 8192, 8192]
+    pairs = dict(fftconv_bench.same_transform_pairs(
+        [(8, 768, 1024), (8, 768, 1021), (8, 768, 1016), (2, 768, 3001), (2, 768, 3000), (4, 768, 3001),
+         (8, 864, 3000), (8, 768, 4096), (8, 768, 2049), (8, 768, 2047)]))
+    assert pairs[(8, 768, 1021)] == (8, 768, 1024)  # the nearer of 1016 and 1024
+    assert pairs[(2, 768, 3001)] == (2, 768, 3000)  # the same batch only
+    assert pairs[(8, 864, 3000)] == (8, 768, 4096)  # an aligned length against the power of two
+    assert pairs[(8, 768, 2049)] == (8, 864, 3000)  # the nearest aligned length, per row whatever its H
+    assert (4, 768, 3001) not in pairs and (8, 768, 2047) not in pairs  # no peer of its batch or transform size
+    assert (8, 768, 1024) not in pairs and (8, 768, 4096) not in pairs

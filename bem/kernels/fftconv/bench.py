@@ -22,7 +22,10 @@ from .. import bench as common
 from . import custom_ops, dispatch, reference
 
 DTYPE = torch.bfloat16
-SHAPES = [(8, 768, 1024), (8, 768, 4096), (8, 768, 8192), (8, 768, 16384), (8, 864, 3000), (1, 768, 1 << 20)]
+SHAPES = [(8, 768, 1024), (8, 768, 4096), (8, 768, 8192), (8, 768, 16384), (8, 864, 3000), (1, 768, 1 << 20),
+          # rows whose byte length is not a multiple of 16 (L not a multiple of 8), each with an aligned length of
+          # the same transform size; small batches
+          (8, 768, 1021), (2, 768, 3000), (2, 768, 3001), (1, 768, 4096), (4, 768, 4096)]
 SHAPES_QUICK = [(8, 768, 1024), (8, 768, 8192), (8, 864, 3000)]
 EAGER_ABOVE = 1 << 28  # elements of u past which a variant runs eagerly (no graph holding its memory)
 
@@ -124,6 +127,27 @@ def bench_step(copy_gbps: float, B: int = 1, H: int = 768, context: int = 8192) 
             "floor_us": bytes_read / (copy_gbps / 2) / 1e3}
 
 
+def transform_size(L: int) -> int:
+    """The FFT length of a causal convolution of length L: the power of two at or above 2L."""
+    return 1 << (2 * L - 1).bit_length()
+
+
+def same_transform_pairs(shapes: list[tuple[int, int, int]]) -> list[tuple[tuple[int, int, int], tuple[int, int, int]]]:
+    """(shape, its comparison) for each (B, H, L) that is not a power-of-two L: the nearest L that is one, or else
+    a multiple of 8, with the same batch and transform size (any H, per row), so a length off the aligned grid is
+    compared per row with one on it."""
+    pairs = []
+    for shape in shapes:
+        B, _, L = shape
+        if L & (L - 1) == 0:
+            continue
+        peers = [other for other in shapes if other != shape and other[0] == B and other[2] % 8 == 0
+                 and transform_size(other[2]) == transform_size(L) and (L % 8 != 0 or other[2] & (other[2] - 1) == 0)]
+        if peers:
+            pairs.append((shape, min(peers, key=lambda other: (abs(other[2] - L), other[1] != shape[1]))))
+    return pairs
+
+
 def format_table(results: list[dict], step: dict, device: str) -> str:
     lines = [f"fftconv, {device}, bf16 u and k, float32 D; ratios: x torch = PyTorch rfft path's time / the op's "
              "(higher is better), x floor = the op's time / the byte floor (read u, write y at copy rate)",
@@ -138,9 +162,10 @@ def format_table(results: list[dict], step: dict, device: str) -> str:
             f"{f['op, block kernels']:>8.3f} | "
             f"{fb['torch']:>10.3f}{fb['op']:>9.3f}{fb['torch'] / fb['op']:>8.2f}" + ("  eager" if r["eager"] else ""))
     by_shape = {(r["shape"]["B"], r["shape"]["H"], r["shape"]["L"]): r for r in results}
-    if (8, 864, 3000) in by_shape and (8, 768, 4096) in by_shape:
-        per_row = [by_shape[key]["forward_ms"]["op"] / (key[0] * key[1]) for key in ((8, 864, 3000), (8, 768, 4096))]
-        lines.append(f"L 3000 against L 4096, forward per (b, h) row: {per_row[0] / per_row[1]:.2f}x")
+    for odd, aligned in same_transform_pairs(list(by_shape)):
+        per_row = [by_shape[key]["forward_ms"]["op"] / (key[0] * key[1]) for key in (odd, aligned)]
+        lines.append(f"B {odd[0]} H {odd[1]} L {odd[2]} against L {aligned[2]} (H {aligned[1]}), the same transform "
+                     f"size, forward per (b, h) row: {per_row[0] / per_row[1]:.2f}x")
     us = step["us"]
     lines.append(f"decode step, B {step['shape']['B']}, H {step['shape']['H']}, context {step['shape']['context']}: "
                  f"kernel {us['step kernel']:.1f} us, PyTorch {us['torch step']:.1f} us per call (CUDA graph replays); "

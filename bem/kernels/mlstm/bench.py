@@ -28,7 +28,9 @@ from ..bench import ceilings, warm_up
 from . import custom_ops, dispatch, reference
 
 DTYPE = torch.bfloat16
-SHAPES = [(8, 16, 2048, 64), (4, 8, 8192, 128), (1, 8, 65536, 128)]
+SHAPES = [(8, 16, 2048, 64), (4, 8, 8192, 128), (1, 8, 65536, 128),
+          # few (batch, head) pairs against the GPU's multiprocessors: 16-32 pairs at S from 1K to 8K
+          (2, 8, 1024, 64), (2, 14, 3000, 64), (1, 16, 4096, 64), (2, 16, 8192, 64)]
 SHAPES_QUICK = [(8, 16, 2048, 64), (4, 8, 8192, 128)]
 LINEAR_S = (8192, 16384, 32768, 65536)
 CHUNK = 64
