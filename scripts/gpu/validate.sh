@@ -5,11 +5,11 @@
 #        [mixer-tests] [mixer-errors]
 #        [fftconv-bench] [mlstm-bench] [mlstm-tests] [training-tests] [sweep] [profile] [train] [train-sweep] [breakdown]
 #        [prefill-breakdown] [compiled-breakdown] [controller-profile] [host-cost] [host-cost-ranks] [gemm-tests] [decode-tests] [train-repeat-probe] [inference-tests] [eager-sweep] [compiled-sweep] [compiled-sweep-pack-off] [compiled-host] [warmup-probe]
-#        [decode-steps] [train-memory] [sass-compare] [quant4-tests] [quant4-bench] [nf4-profile] [tma-tests] [bench] [bench-shapes] [mode-sweep] [conv1d-sweep] [decode-split-sweep] [conv1d-split-sweep] [backward-sweep] [sass] [ncu] [cpu-tests]   (bench-shapes reads
+#        [decode-steps] [train-memory] [quality] [sass-compare] [quant4-tests] [quant4-bench] [nf4-profile] [tma-tests] [bench] [bench-shapes] [mode-sweep] [conv1d-sweep] [decode-split-sweep] [conv1d-split-sweep] [backward-sweep] [sass] [ncu] [cpu-tests]   (bench-shapes reads
 #        BENCH_SHAPES, e.g. 1x4096x4096x8,...; the sweeps read SWEEP_SHAPES the same way, or sweep their
 #        default shapes; prefill-breakdown reads BREAKDOWN_MODEL: llama-1b or gpt2; sweep reads SWEEP_CONFIGS,
 #        comma-separated profile names, default all; train-sweep reads TRAIN_CONFIGS, space-separated;
-#        KEEP_BUILD=1 keeps a build made earlier in the same call)
+#        KEEP_BUILD=1 keeps a build made earlier in the same call; NO_BUILD=1 builds nothing)
 set -o pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -36,6 +36,9 @@ python3 -c "import bitsandbytes; print('bitsandbytes', bitsandbytes.__version__)
 start=$(date +%s)
 if [ -n "${KEEP_BUILD:-}" ] && ls bem/_C*.so >/dev/null 2>&1; then  # a second run in the same call
   SUMMARY+=("build: kept")
+elif [ -n "${NO_BUILD:-}" ]; then  # steps that run no kernel of ours (quality: the PyTorch reference paths)
+  rm -rf build bem/_C*.so
+  SUMMARY+=("build: none (NO_BUILD)")
 else
   rm -rf build bem/_C*.so  # a warm machine keeps the last build: always build from scratch
   BEM_BUILD_CUDA=1 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1 \
@@ -177,6 +180,12 @@ yaml.safe_dump(config, open(f"/tmp/compiled_configs/profile_{name}.yaml", "w"), 
     # "--setup bf16 --allocations")
     train-memory) step train_memory ${MEMORY_LIMIT:-240} env PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} python3 \
         scripts/train_memory_probe.py --config "configs/profile_${MEMORY_CONFIG:-qwen2_0.5b_nf4}.yaml" ${MEMORY_ARGS:-} ;;
+    # the quality benchmark at the H200 settings of docs/quality.md (QUALITY_ARGS: suites, seeds, ...), 16 runs at
+    # once; its JSON, log and plot in one archive (a call returns a limited number of files)
+    quality) mkdir -p "$OUT/quality" && step quality ${QUALITY_LIMIT:-500} env PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} \
+        python3 benchmarks/quality.py --base-width 512 --base-layers 8 --pretrain-steps 1500 --lr 1e-3 --jobs 16 \
+        --threads 1 --cache-dir /tmp/quality_cache --json "$OUT/quality/quality.json" --plot "$OUT/quality/quality.png" \
+        ${QUALITY_ARGS:---suites multitask --seeds 3}; tar czf "$OUT/quality.tar.gz" -C "$OUT" quality && rm -rf "$OUT/quality" ;;
     nf4-profile) step nf4_profile ${NF4_LIMIT:-300} python3 profile.py --config configs/profile_qwen2_0.5b_nf4.yaml \
         --repeats ${NF4_REPEATS:-5} --output-dir "$OUT/nf4" ;;
     decode-steps) step "decode_steps${DECODE_TAG:+_$DECODE_TAG}" ${DECODE_LIMIT:-400} env PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} \
