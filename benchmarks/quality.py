@@ -2,7 +2,7 @@
 
     python benchmarks/quality.py [--suites multitask,control,recall,recall16, or "" for the curve alone] [--seeds 3]
         [--steps 400] [--rank 8] [--lr 3e-3] [--controller-lr-scale 1.0] [--base-width 256] [--base-layers 4]
-        [--pretrain-steps 600] [--cache-dir DIR] [--device auto]
+        [--pretrain-steps 600] [--base-window 0] [--cache-dir DIR] [--device auto]
         [--plot-ranks 2,4,8,16,32] [--plot quality.png] [--json quality.json] [--jobs 1]
 
 The frozen base is a byte-level Llama pretrained here on the installed packages' Python sources
@@ -13,8 +13,9 @@ The frozen base is a byte-level Llama pretrained here on the installed packages'
   to `bem`'s; `lora` and `dora`: PEFT's adapters on the same linears at their closest ranks;
 - transform suites (multitask, control): `bem-prefix`, `bem-chunk`, `bem-token`, `bem-gate`: `bem` with one
   routing level held at its initial, neutral value (its parameters frozen), to say which level carries a gain;
-- recall suites (8 pairs and 4 queries; 16 pairs and 8 queries): `bem+hyena`, `bem+mlstm`, a mixer after every
-  block.
+- recall suites (8 pairs and 4 queries; 16 pairs and 8 queries; `recall-far`, 8 pairs 64 bytes before their
+  queries, for a base whose attention is a sliding window, `--base-window 8`): `bem+hyena`, `bem+mlstm`, a mixer
+  after every block.
 
 Scores: the multi-task and control suites, exact match of the whole answer (every answer token the argmax
 under teacher forcing, which is what greedy decoding reproduces), per task and averaged; recall, per-query
@@ -62,6 +63,9 @@ SUITES = {
     "control": lambda: TransformSuite(tasks=("running_max",)),
     "recall": lambda: RecallSuite(pairs=8, queries=4),
     "recall16": lambda: RecallSuite(pairs=16, queries=8),  # every key of the alphabet, twice the length
+    # 64 filler bytes between the pairs and the queries: beyond what a base with --base-window 8 reaches through
+    # 8 layers of windows (each layer's window adds to the reach)
+    "recall-far": lambda: RecallSuite(pairs=8, queries=4, gap=64),
 }
 
 
@@ -380,6 +384,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--base-width", type=int, default=BaseSpec.width)
     parser.add_argument("--base-layers", type=int, default=BaseSpec.layers)
     parser.add_argument("--pretrain-steps", type=int, default=BaseSpec.pretrain_steps)
+    parser.add_argument("--base-window", type=int, default=BaseSpec.window,
+                        help="the base's sliding attention window in tokens (a Mistral; default 0: full attention)")
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "bem" / "quality")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--plot-ranks", default="", help="e.g. 2,4,8,16,32: the score-against-parameters curve")
@@ -406,6 +412,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(f"--controller-lr-scale must be positive, got {args.controller_lr_scale}")
     if args.seeds < 1:
         parser.error("--seeds must be at least 1")
+    if args.base_window < 0:
+        parser.error(f"--base-window must be 0 (full attention) or positive, got {args.base_window}")
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
     only = [v for v in args.variants.split(",") if v] or None
@@ -424,7 +432,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
-    spec = BaseSpec(width=args.base_width, layers=args.base_layers, pretrain_steps=args.pretrain_steps)
+    spec = BaseSpec(width=args.base_width, layers=args.base_layers, pretrain_steps=args.pretrain_steps,
+                    window=args.base_window)
     base = frozen_base(spec, device, args.cache_dir, log)
     for param in base.parameters():
         param.requires_grad_(False)
@@ -432,7 +441,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         controller_lr_scale=args.controller_lr_scale)
     seeds = list(range(args.seeds))
     where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
-    title = (f"{where}; base: byte-level Llama {spec.width} wide, {spec.layers} layers, "
+    kind = f"Mistral (attention window {spec.window})" if spec.window else "Llama"
+    title = (f"{where}; base: byte-level {kind} {spec.width} wide, {spec.layers} layers, "
              f"{spec.pretrain_steps} pretraining steps; {settings.steps} steps, batch {settings.batch}, "
              f"lr {settings.lr}" + (f", controller x{settings.controller_lr_scale:g}"
                                     if settings.controller_lr_scale != 1.0 else ""))

@@ -27,21 +27,32 @@ class BaseSpec:
     context: int = 128
     batch: int = 32
     seed: int = 0
+    window: int = 0  # the attention's sliding window in tokens (a Mistral); 0: full attention (a Llama)
 
     def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        fields = asdict(self)
+        if not self.window:  # the full-attention bases keep the keys they were cached under
+            del fields["window"]
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def fresh_model(spec: BaseSpec) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A Llama, or with `spec.window` a Mistral whose attention sees only the last `window` tokens (the same
+    layers otherwise), so that a token further back reaches a position only through what an adapter or a mixer
+    carries."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     torch.manual_seed(spec.seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=spec.width, intermediate_size=4 * spec.width,
-                         num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
-                         num_key_value_heads=spec.heads, max_position_embeddings=512, pad_token_id=0,
-                         bos_token_id=None, eos_token_id=None, tie_word_embeddings=True)
+    shapes = dict(vocab_size=VOCAB, hidden_size=spec.width, intermediate_size=4 * spec.width,
+                  num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.heads,
+                  max_position_embeddings=512, pad_token_id=0, bos_token_id=None, eos_token_id=None,
+                  tie_word_embeddings=True)
+    if spec.window:
+        config, model_class = MistralConfig(sliding_window=spec.window, **shapes), MistralForCausalLM
+    else:
+        config, model_class = LlamaConfig(**shapes), LlamaForCausalLM
     config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config)
+    return model_class(config)
 
 
 def source_text(limit_bytes: int = 8 << 20) -> torch.Tensor:
@@ -88,11 +99,11 @@ def pretrain(model: nn.Module, spec: BaseSpec, device: torch.device, log: Callab
 def frozen_base(spec: BaseSpec, device: torch.device, cache_dir: Optional[Path],
                 log: Callable[[str], None] = print) -> nn.Module:
     """The base of `spec` in eval mode on `device`: loaded from `cache_dir` when it was pretrained there before."""
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     path = None if cache_dir is None else Path(cache_dir) / f"base-{spec.key()}"
     if path is not None and (path / "config.json").is_file():
-        return LlamaForCausalLM.from_pretrained(path).to(device).eval()
+        return AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").to(device).eval()
     model = fresh_model(spec)
     if spec.pretrain_steps:
         pretrain(model, spec, device, log)

@@ -6,7 +6,8 @@
 - **Single-task control**: the same format with one task (running maximum) only: routing has nothing to choose
   between.
 - **Multi-query associative recall** (Zoology's MQAR): `k_1 v_1 .. k_P v_P | q_1 a_1 .. q_Q a_Q`, each query a key
-  from the pairs and its answer that key's value.
+  from the pairs and its answer that key's value; with a gap, `gap` filler bytes (none a key or a value) between
+  the pairs and the bar, which puts the pairs beyond a windowed base's reach.
 
 A batch is (ids, answer mask): the loss and the score read the positions the mask marks (the answer tokens).
 """
@@ -20,6 +21,7 @@ import torch
 
 ALPHABET = [ord(c) for c in "abcdefghijklmnop"]  # the symbols x and y of the multi-task suite, and MQAR's keys
 VALUES = [ord(c) for c in "0123456789ABCDEF"]  # MQAR's values
+FILLER = [ord(c) for c in "qrstuvwxyz"]  # MQAR's gap, neither keys nor values
 EQUALS, BAR = ord("="), ord("|")
 
 TRANSFORMS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # rows of symbol indices -> answers
@@ -67,10 +69,11 @@ class RecallSuite:
 
     pairs: int = 8
     queries: int = 4
+    gap: int = 0  # filler bytes between the last pair and the bar
 
     @property
     def sequence_length(self) -> int:
-        return 2 * self.pairs + 1 + 2 * self.queries
+        return 2 * self.pairs + self.gap + 1 + 2 * self.queries
 
     def batch(self, size: int, generator: torch.Generator, task: str | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -80,9 +83,10 @@ class RecallSuite:
         alphabet, digits = torch.tensor(ALPHABET), torch.tensor(VALUES)
         context = torch.stack([alphabet[keys], digits[values]], dim=-1).flatten(1)
         answers = torch.stack([alphabet[keys.gather(1, asked)], digits[values.gather(1, asked)]], dim=-1).flatten(1)
-        ids = torch.cat([context, torch.full((size, 1), BAR), answers], dim=1)
+        filler = torch.tensor(FILLER)[torch.randint(0, len(FILLER), (size, self.gap), generator=generator)]
+        ids = torch.cat([context, filler, torch.full((size, 1), BAR), answers], dim=1)
         mask = torch.zeros_like(ids, dtype=torch.bool)
-        mask[:, 2 * self.pairs + 2::2] = True  # the values after each queried key
+        mask[:, 2 * self.pairs + self.gap + 2::2] = True  # the values after each queried key
         return ids, mask, torch.zeros(size, dtype=torch.long)
 
 

@@ -50,6 +50,37 @@ def test_each_recall_query_is_answered_by_its_keys_value():
             assert int(row[position]) == pairs[int(row[position - 1])]
 
 
+def test_recall_with_a_gap_puts_filler_between_the_pairs_and_the_queries():
+    from quality_tasks import FILLER
+
+    suite = RecallSuite(pairs=5, queries=3, gap=20)
+    ids, mask, _ = suite.batch(16, torch.Generator().manual_seed(2))
+    assert ids.shape == (16, suite.sequence_length) == (16, 10 + 20 + 1 + 6) and mask.sum(1).tolist() == [3] * 16
+    assert set(ids[:, 10:30].flatten().tolist()) <= set(FILLER) and not set(FILLER) & (set(ALPHABET) | set(VALUES))
+    for row, answers in zip(ids, mask):
+        pairs = {int(row[2 * i]): int(row[2 * i + 1]) for i in range(5)}
+        for position in answers.nonzero().flatten().tolist():
+            assert position > 30 and int(row[position]) == pairs[int(row[position - 1])]
+
+
+def test_a_windowed_base_is_a_mistral_that_attends_to_its_window_only():
+    from quality_base import BaseSpec, fresh_model
+
+    spec = BaseSpec(width=32, layers=1, heads=2, pretrain_steps=0, window=4)
+    model = fresh_model(spec).eval()
+    assert type(model).__name__ == "MistralForCausalLM" and model.config.sliding_window == 4
+    assert type(fresh_model(BaseSpec(width=32, layers=1, heads=2, pretrain_steps=0))).__name__ == "LlamaForCausalLM"
+    assert spec.key() != BaseSpec(width=32, layers=1, heads=2, pretrain_steps=0).key()
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(3))
+    changed = ids.clone()
+    changed[0, 0] = (ids[0, 0] + 1) % 256
+    with torch.no_grad():  # one layer: the last position (11) sees 8..11, not position 0
+        last, last_changed = (model(input_ids=t).logits[0, -1] for t in (ids, changed))
+    assert torch.equal(last, last_changed)
+    with torch.no_grad():
+        assert not torch.equal(model(input_ids=ids).logits[0, 2], model(input_ids=changed).logits[0, 2])
+
+
 def test_a_short_run_gives_every_variant_at_an_equal_budget(tmp_path, capsys):
     out = tmp_path / "quality.json"
     code = quality.main(["--suites", "multitask", "--seeds", "2", "--steps", "12", "--batch", "8",
@@ -84,6 +115,8 @@ def test_bad_arguments_are_refused_by_name():
         quality.main(["--controller-lr-scale", "0"])
     with pytest.raises(SystemExit):
         quality.main(["--jobs", "0"])
+    with pytest.raises(SystemExit):
+        quality.main(["--base-window", "-1"])
     with pytest.raises(SystemExit):
         quality.main(["--suites", "multitask", "--variants", "bem+hyena"])  # a mixer runs on recall only
     with pytest.raises(SystemExit):
