@@ -34,6 +34,7 @@ import statistics
 import sys
 import textwrap
 import time
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -214,7 +215,7 @@ class Job:
 
 
 def is_recall(suite_name: str) -> bool:
-    return suite_name.startswith("recall")
+    return isinstance(SUITES[suite_name](), RecallSuite)
 
 
 def variant_names(suite_name: str) -> list[str]:
@@ -286,14 +287,8 @@ class Rows:
     seeds are in and every row before it was handed on, so rows keep the table's order whatever finishes first."""
 
     def __init__(self, jobs: list[Job], on_row: Callable[[dict[str, Any]], None]) -> None:
-        self._order: list[tuple[str, int, str]] = []
-        self._seeds: dict[tuple[str, int, str], int] = {}
-        for job in jobs:
-            key = (job.suite, job.rank, job.variant)
-            if key not in self._seeds:
-                self._order.append(key)
-                self._seeds[key] = 0
-            self._seeds[key] += 1
+        self._seeds = Counter((job.suite, job.rank, job.variant) for job in jobs)  # runs a row waits for
+        self._order = list(self._seeds)  # the jobs' order
         self._done: dict[tuple[str, int, str], list[dict[str, Any]]] = {key: [] for key in self._order}
         self._budgets: dict[tuple[str, int], int] = {}
         self._next = 0
