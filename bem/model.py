@@ -18,6 +18,7 @@ from .config import HierarchicalBEMConfig
 from .modules.adapter_pack import AdapterPack
 from .modules.bem_linear import BEMLinear, RoutingContext
 from .modules.controller import HierarchicalController
+from .modules.joint_weights import input_groups
 from .modules.mixers import MixerBlock, attach as attach_mixers, resolve_layers
 from .modules.trainable_copy import TrainableCopy
 from .call_hooks import CallHooks
@@ -126,9 +127,12 @@ class BEMModel(nn.Module):
         plan = plan_targets(base_model, config)
         self.context = RoutingContext()
         self._pack: Optional[AdapterPack] = None  # made at the first generate: none kept without one
+        self._pack_form: tuple[bool, bool] = (True, True)  # the pack's (joint_weights, joint_groups)
         # generate's compiled step computes plain linears as one GEMM of [W; Vᵀ] (modules/joint_weights.py);
         # BEM_JOINT_WEIGHTS=0 keeps the fused kernels there instead
         self.joint_weights: bool = os.environ.get("BEM_JOINT_WEIGHTS", "1") != "0"
+        # ... and the layers that take one input (q, k, v; gate, up) as one GEMM; BEM_JOINT_GROUPS=0: each alone
+        self.joint_groups: bool = os.environ.get("BEM_JOINT_GROUPS", "1") != "0"
         for param in base_model.parameters():
             param.requires_grad_(False)
         self.bem_module_names: list[str] = plan.names
@@ -227,8 +231,13 @@ class BEMModel(nn.Module):
     def _adapter_pack(self) -> Optional[AdapterPack]:
         """The adapters in one buffer, up to date, for generate's compiled decoding step; None where they are not
         plain tensors of one dtype and device."""
-        if self._pack is None or (self._pack.joint_weights is not None) != self.joint_weights:
-            self._pack = AdapterPack([module for _, module in self.bem_modules()], joint=self.joint_weights)
+        wanted = (self.joint_weights, self.joint_groups)
+        if self._pack is None or self._pack_form != wanted:
+            if self._pack is not None and self._pack.joint_weights is not None:
+                self._pack.joint_weights.unjoin()  # the new form re-homes the weights its own way
+            self._pack = AdapterPack([module for _, module in self.bem_modules()], joint=self.joint_weights,
+                                     groups=input_groups(self.bem_module_names, self.joint_groups))
+            self._pack_form = wanted
         return self._pack if self._pack.refresh() else None
 
     def __getattr__(self, name: str) -> Any:

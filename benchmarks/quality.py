@@ -81,6 +81,7 @@ class Settings:
     chunk_size: int = 4
     max_prefix_tokens: int = 4
     controller_lr_scale: float = 1.0  # the controller's learning rate over the adapters'
+    mixer_dim: int = 64  # the mixers' inner width (recall suites)
 
 
 def trainable(model: nn.Module) -> int:
@@ -103,7 +104,7 @@ def bem_config(settings: Settings, rank: int, routing: bool = True, mixer: Optio
     return HierarchicalBEMConfig(rank=rank, alpha=2.0 * rank, enable_routing=routing, attach_qkv=True,
                                  controller_dim=settings.controller_dim, chunk_size=settings.chunk_size,
                                  max_prefix_tokens=settings.max_prefix_tokens, use_fused_kernels=False,
-                                 mixer=mixer, mixer_dim=64, mixer_heads=4, mixer_max_length=max(64, length))
+                                 mixer=mixer, mixer_dim=settings.mixer_dim, mixer_heads=4, mixer_max_length=max(64, length))
 
 
 def peft_adapter(base: nn.Module, rank: int, dora: bool) -> nn.Module:
@@ -375,6 +376,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--controller-lr-scale", type=float, default=Settings.controller_lr_scale,
                         help="the routing controller's learning rate over the adapters' (BEM variants)")
     parser.add_argument("--rank", type=int, default=Settings.rank)
+    parser.add_argument("--mixer-dim", type=int, default=Settings.mixer_dim,
+                        help="the mixers' inner width on the recall suites (a multiple of their 4 heads)")
     parser.add_argument("--eval-rows", type=int, default=Settings.eval_rows)
     parser.add_argument("--base-width", type=int, default=BaseSpec.width)
     parser.add_argument("--base-layers", type=int, default=BaseSpec.layers)
@@ -411,6 +414,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(f"--base-window must be 0 (full attention) or positive, got {args.base_window}")
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    if args.mixer_dim < 4 or args.mixer_dim % 4:
+        parser.error(f"--mixer-dim must be a positive multiple of the mixers' 4 heads, got {args.mixer_dim}")
     only = [v for v in args.variants.split(",") if v] or None
     known = {name for suite in suites or SUITES for name in variant_names(suite)}
     if only and set(only) - known:
@@ -433,7 +438,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for param in base.parameters():
         param.requires_grad_(False)
     settings = Settings(steps=args.steps, batch=args.batch, lr=args.lr, rank=args.rank, eval_rows=args.eval_rows,
-                        controller_lr_scale=args.controller_lr_scale)
+                        controller_lr_scale=args.controller_lr_scale, mixer_dim=args.mixer_dim)
     seeds = list(range(args.seeds))
     where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     kind = f"Mistral (attention window {spec.window})" if spec.window else "Llama"

@@ -11,7 +11,8 @@ per token, device idle time included. Each generate call gives its steps' median
 interleaved, round by round (the first variant rotating), and the table gives the median over rounds of
 each round's BEM-over-base ratio with its 5th-95th percentile range.
 
-Variants: `base` (the frozen model), `bem` (as created: generate's compiled step takes the joint [W; Vᵀ] GEMM),
+Variants: `base` (the frozen model), `bem` (as created: generate's compiled step takes the joint [W; Vᵀ] GEMM,
+one for the layers that share an input), `ungrouped` (BEM with `joint_groups` off: one joint GEMM a layer),
 `kernels` (BEM with `joint_weights` off: the fused kernels in the compiled step too), `lora` (PEFT LoRA).
 Modes: `compiled` (a static cache and generate's compiled decoding step, as users deploy), `eager` (the
 dynamic cache). `--breakdown`: each compiled variant's device time per step by kernel kind, from the profiler.
@@ -66,6 +67,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
+# BEM variants that differ from `bem` in the form of generate's compiled step (BEMModel attributes)
+OTHER_FORMS = {"kernels": {"joint_weights": False}, "ungrouped": {"joint_groups": False}}
+
+
 def models_for(config_path: str, names: list[str], device: torch.device):
     config = load_profile_config(config_path)
     base = load_base_model(config.model, device, config.seed)
@@ -73,10 +78,12 @@ def models_for(config_path: str, names: list[str], device: torch.device):
         warnings.simplefilter("ignore", FutureWarning)
         variants = build_variants(base, config.bem_config(), with_lora="lora" in names)
     models = {"base": variants.base, "bem": variants.bem}
-    if "kernels" in names:
-        kernels = create_hierarchical_bem(copy.deepcopy(base), config.bem_config()).eval()
-        kernels.joint_weights = False
-        models["kernels"] = kernels
+    for name, form in OTHER_FORMS.items():
+        if name in names:
+            model = create_hierarchical_bem(copy.deepcopy(base), config.bem_config()).eval()
+            for attribute, value in form.items():
+                setattr(model, attribute, value)
+            models[name] = model
     if variants.lora is not None:
         models["lora"] = variants.lora
     return config, base, {name: models[name] for name in names if name in models}
@@ -156,6 +163,9 @@ def main() -> None:
     names = args.variants.split(",")
     if names[0] != "base":
         parser.error("--variants must start with base (the ratios' denominator)")
+    unknown = sorted(set(names) - {"base", "bem", "lora", *OTHER_FORMS})
+    if unknown:
+        parser.error(f"unknown variant {unknown[0]!r}; the variants are base, bem, {', '.join(OTHER_FORMS)}, lora")
     rows: list[dict[str, Any]] = []
     for config in args.config:
         rows += measure(config, [int(b) for b in args.batch.split(",")], args.modes.split(","), names,

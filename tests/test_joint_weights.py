@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bem import HierarchicalBEMConfig, create_hierarchical_bem
-from bem.modules.joint_weights import ROW_ALIGN, joint_linear, joinable
+from bem.modules.joint_weights import ROW_ALIGN, JointSlot, input_groups, joint_linear, joinable
 
 from conftest import randomize_bem
 from test_adapter_pack import assert_compiled_generate_is_exact
@@ -25,44 +25,106 @@ def graph_storages(graphs: list) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in graphs[-1] if isinstance(t, torch.Tensor)}
 
 
+def group_buffer(weights, Vs, rank_total):
+    """[W_1; ...; V_1ᵀ; ...] with NaN in the padding rows: the expand must never read past a layer's rank."""
+    pad = -(-rank_total // ROW_ALIGN) * ROW_ALIGN - rank_total
+    K = weights[0].shape[1]
+    return torch.cat([*weights, *(V.t() for V in Vs), torch.full((pad, K), float("nan"), dtype=weights[0].dtype)])
+
+
 @pytest.mark.parametrize("with_codes", [True, False])
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("rank", [1, 3, 8, 13])
 def test_joint_linear_matches_the_float64_reference(rank, with_bias, with_codes):
     generator = torch.Generator().manual_seed(rank)
-    N, K, R = 37, 29, -(-rank // ROW_ALIGN) * ROW_ALIGN
-    x = torch.randn(2, 5, K, generator=generator, dtype=torch.float64)
-    W, V = torch.randn(N, K, generator=generator, dtype=torch.float64), torch.randn(K, rank, generator=generator,
-                                                                                      dtype=torch.float64)
-    U = torch.randn(N, rank, generator=generator, dtype=torch.float64)
-    bias = torch.randn(N, generator=generator, dtype=torch.float64) if with_bias else None
-    codes = torch.randn(2, 5, rank, generator=generator, dtype=torch.float64) if with_codes else None
-    joint = torch.cat([W, V.t(), torch.full((R - rank, K), float("nan"), dtype=torch.float64)])
-    # the padding rows hold NaN here: the expand must never read past the rank
-    expected = x @ W.t() + 1.5 * ((x @ V) * (1.0 if codes is None else codes)) @ U.t()
-    if bias is not None:
-        expected = expected + bias
-    out = joint_linear(x, joint, N, bias, codes, U, 1.5)
-    assert out.shape == expected.shape
-    assert torch.allclose(out, expected, rtol=1e-12, atol=1e-12)
+    randn = lambda *shape: torch.randn(*shape, generator=generator, dtype=torch.float64)  # noqa: E731
+    K, sizes, ranks = 29, (37, 11, 13), (rank, rank + 2, 1)  # a group of three layers, e.g. q, k and v
+    Ws, Vs = [randn(N, K) for N in sizes], [randn(K, r) for r in ranks]
+    Us = [randn(N, r) for N, r in zip(sizes, ranks)]
+    biases = [randn(N) if with_bias else None for N in sizes]
+    buffer, memo = group_buffer(Ws, Vs, sum(ranks)), {}
+    starts, h_starts = (0, 37, 48), (61, 61 + rank, 61 + 2 * rank + 2)
+    for x in (randn(2, 5, K), randn(3, K)):  # the second input: the group's product is computed again
+        for layer, (W, V, U, bias) in enumerate(zip(Ws, Vs, Us, biases)):
+            codes = randn(*x.shape[:-1], V.shape[1]) if with_codes else None
+            expected = x @ W.t() + 1.5 * ((x @ V) * (1.0 if codes is None else codes)) @ U.t()
+            if bias is not None:
+                expected = expected + bias
+            slot = JointSlot(buffer, 0, starts[layer], W.shape[0], h_starts[layer], memo)
+            out = joint_linear(x, slot, bias, codes, U, 1.5)
+            assert out.shape == expected.shape
+            assert torch.allclose(out, expected, rtol=1e-12, atol=1e-12)
+            assert memo[0][0] is x  # one product of the group per input
+
+
+def test_input_groups_are_siblings_named_to_share_one_input():
+    names = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj",
+             "model.layers.0.self_attn.o_proj", "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj",
+             "model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.v_proj"]
+    assert input_groups(names) == [[0, 1, 2], [3], [4, 5], [6], [7, 8]]
+    assert input_groups(names, grouped=False) == [[index] for index in range(len(names))]
 
 
 def test_the_compiled_step_reads_joint_buffers_and_keeps_no_second_weight(load_base):
     torch._dynamo.reset()
     model = wrapped(load_base, seed=1)
     graphs = assert_compiled_generate_is_exact(model, *left_padded(seed=2))
-    joints = model._pack.joint_weights.joints
+    joint_weights = model._pack.joint_weights
+    names = model.bem_module_names
     modules = [module for _, module in model.bem_modules()]
-    assert all(joint is not None for joint in joints), "every llama projection is a plain nn.Linear"
+    assert all(where is not None for where in joint_weights.layout), "every llama projection is a plain nn.Linear"
     storages = graph_storages(graphs)
-    for module, joint in zip(modules, joints):
+    layers = len(names) // 7
+    assert len(joint_weights.joints) == 4 * layers  # q, k and v; o; gate and up; down
+    for index, (module, where) in enumerate(zip(modules, joint_weights.layout)):
+        group, start, N, h_start = where
+        joint = joint_weights.joints[group]
         weight, V = module.base_layer.weight, module.bem_V
-        N, K = weight.shape
-        assert joint.shape == (N + ROW_ALIGN, K)  # rank 3 padded to 8 rows
-        assert weight.data_ptr() == joint.data_ptr(), "the weight is not a view of its joint buffer"
+        assert N == weight.shape[0] and joint.shape[1] == weight.shape[1]
+        assert weight.data_ptr() == joint[start].data_ptr(), "the weight is not a view of its joint buffer"
         assert weight.untyped_storage().nbytes() == joint.numel() * joint.element_size()
-        assert torch.equal(joint[N:N + 3], V.detach().t()) and not joint[N + 3:].any()
+        assert torch.equal(joint[h_start:h_start + 3], V.detach().t())
         assert joint.untyped_storage().data_ptr() in storages
+        leaf = names[index].rsplit(".", 1)[1]
+        members = sum(1 for other in joint_weights.layout if other[0] == group)
+        assert members == {"q_proj": 3, "k_proj": 3, "v_proj": 3, "gate_proj": 2, "up_proj": 2}.get(leaf, 1)
+    for joint in joint_weights.joints:  # each group's rank rows padded to 8, the padding zero
+        members = [m for m, where in zip(modules, joint_weights.layout) if joint_weights.joints[where[0]] is joint]
+        rows = sum(m.base_layer.weight.shape[0] for m in members)
+        assert joint.shape[0] == rows + -(-3 * len(members) // ROW_ALIGN) * ROW_ALIGN
+        assert not joint[rows + 3 * len(members):].any()
+
+
+def test_a_group_whose_layers_take_different_inputs_stays_exact(load_base):
+    """A group is a guess from the names: layers grouped wrongly (here o_proj with q, k and v, which it shares no
+    input with) compute the group's product again, and the answer does not change."""
+    import bem.modules.joint_weights as joint_weights
+
+    torch._dynamo.reset()
+    model = wrapped(load_base, seed=15)
+    shared = joint_weights.SHARED_INPUT
+    try:
+        joint_weights.SHARED_INPUT = (("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj"))
+        model.joint_groups = False  # a pack made anew, with these groups
+        model._pack = None
+        model.joint_groups = True
+        assert_compiled_generate_is_exact(model, *left_padded(seed=16))
+        layout = model._pack.joint_weights.layout
+        assert layout[0][0] == layout[3][0], "o_proj joins q, k and v (one width here)"
+        # down_proj's input is wider than gate's and up's: a buffer of its own
+        assert len(model._pack.joint_weights.joints) == 3 * (len(model.bem_module_names) // 7)
+    finally:
+        joint_weights.SHARED_INPUT = shared
+
+
+def test_groups_off_gives_each_layer_a_buffer_of_its_own(load_base):
+    torch._dynamo.reset()
+    model = wrapped(load_base, seed=17)
+    model.joint_groups = False
+    assert_compiled_generate_is_exact(model, *left_padded(seed=18))
+    joint_weights = model._pack.joint_weights
+    assert len(joint_weights.joints) == len(model.bem_module_names)
+    assert [where[0] for where in joint_weights.layout] == list(range(len(model.bem_module_names)))
 
 
 def test_a_replaced_weight_or_v_is_joined_again_and_generate_stays_exact(load_base):
@@ -75,10 +137,11 @@ def test_a_replaced_weight_or_v_is_joined_again_and_generate_stays_exact(load_ba
     with torch.no_grad():
         last.bem_V.mul_(-2.0)  # an optimizer step
     assert_compiled_generate_is_exact(model, ids, mask)
-    joints = model._pack.joint_weights.joints
-    assert first.base_layer.weight.data_ptr() == joints[0].data_ptr()
-    N = last.base_layer.weight.shape[0]
-    assert torch.equal(joints[-1][N:N + 3], last.bem_V.detach().t())
+    joint_weights = model._pack.joint_weights
+    group, start, _, _ = joint_weights.layout[0]
+    assert first.base_layer.weight.data_ptr() == joint_weights.joints[group][start].data_ptr()
+    group, _, _, h_start = joint_weights.layout[-1]
+    assert torch.equal(joint_weights.joints[group][h_start:h_start + 3], last.bem_V.detach().t())
 
 
 def test_joint_weights_off_keeps_the_fused_path_exact(load_base):
@@ -120,9 +183,10 @@ def test_a_weight_two_wrapped_layers_share_is_not_joined(load_base):
     first, second = model.bem_modules()[q][1], model.bem_modules()[o][1]
     second.base_layer.weight = first.base_layer.weight  # q and o tied (both 32 x 32 here)
     graphs = assert_compiled_generate_is_exact(model, *left_padded(seed=12))
-    joints = model._pack.joint_weights.joints
-    assert joints[q] is None and joints[o] is None
-    assert all(joint is not None for index, joint in enumerate(joints) if index not in (q, o))
+    layout = model._pack.joint_weights.layout
+    assert layout[q] is None and layout[o] is None
+    assert all(where is not None for index, where in enumerate(layout) if index not in (q, o))
+    assert layout[q + 1][0] == layout[q + 2][0]  # k and v still one group
     assert first.base_layer.weight is second.base_layer.weight
     assert first.base_layer.weight.untyped_storage().data_ptr() in graph_storages(graphs)
 

@@ -118,6 +118,8 @@ def test_bad_arguments_are_refused_by_name():
     with pytest.raises(SystemExit):
         quality.main(["--base-window", "-1"])
     with pytest.raises(SystemExit):
+        quality.main(["--mixer-dim", "6"])  # not a multiple of the mixers' 4 heads
+    with pytest.raises(SystemExit):
         quality.main(["--suites", "multitask", "--variants", "bem+hyena"])  # a mixer runs on recall only
     with pytest.raises(SystemExit):
         quality.main(["--suites", "", "--plot-ranks", "2,four"])

@@ -12,8 +12,9 @@ holds the storage it copied from, so a replacement cannot land at the same addre
 compiled call never reads adapters older than the parameters. The buffer keeps its
 address, which CUDA-graph replays rely on, for as long as the adapters keep their dtype, device and shapes.
 
-With `joint=True` the pack also keeps each plain `nn.Linear`'s weight and Vᵀ in one buffer (`joint_weights`), and
-the compiled step computes those layers as one GEMM of the base plus a fused expand.
+With `joint=True` the pack also keeps each plain `nn.Linear`'s weight and Vᵀ in one buffer (`joint_weights`), the
+layers that take one input (`groups`) in one buffer together, and the compiled step computes each group as one GEMM
+plus a fused expand.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
-from .joint_weights import JointWeights
+from .joint_weights import JointSlot, JointWeights
 
 ALIGN = 64  # elements: each view starts 128-byte aligned (or more) in the buffer, as the kernels' loads want
 
@@ -31,9 +32,10 @@ ALIGN = 64  # elements: each view starts 128-byte aligned (or more) in the buffe
 class AdapterPack:
     """One buffer holding the V and U of `modules` (each with `bem_V` (K, r) and `bem_U` (N, r))."""
 
-    def __init__(self, modules: Sequence[nn.Module], joint: bool = True) -> None:
+    def __init__(self, modules: Sequence[nn.Module], joint: bool = True,
+                 groups: Optional[Sequence[Sequence[int]]] = None) -> None:
         self._modules = list(modules)
-        self.joint_weights: Optional[JointWeights] = JointWeights(self._modules) if joint else None
+        self.joint_weights: Optional[JointWeights] = JointWeights(self._modules, groups) if joint else None
         self.flat: Optional[torch.Tensor] = None
         # (V's offset, K, U's offset, N, r) per module, in module order: constants of the compiled call
         self.layout: tuple[tuple[int, int, int, int, int], ...] = ()
@@ -90,10 +92,10 @@ class AdapterPack:
             self._seen = [(t, t._version) for t in sources]
         return True
 
-    def weights(self) -> list[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]:
+    def weights(self) -> list[tuple[torch.Tensor, torch.Tensor, Optional[JointSlot]]]:
         """(V, U, joint) of each module: V and U views of the buffer (traced into the compiled call as slices of
-        one input), joint its [W; Vᵀ] buffer or None."""
+        one input), joint where it reads its outputs in its group's [W; Vᵀ] product, or None."""
         flat = self.flat
-        joints = self.joint_weights.joints if self.joint_weights is not None else [None] * len(self.layout)
+        joints = self.joint_weights.slots({}) if self.joint_weights is not None else [None] * len(self.layout)
         return [(flat[v_at:v_at + K * r].view(K, r), flat[u_at:u_at + N * r].view(N, r), joint)
                 for (v_at, K, u_at, N, r), joint in zip(self.layout, joints)]

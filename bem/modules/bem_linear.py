@@ -17,7 +17,7 @@ from transformers.pytorch_utils import Conv1D
 
 from ..kernels import ops
 from ..kernels.quant import ops as quant_ops
-from .joint_weights import joint_linear
+from .joint_weights import JointSlot, joint_linear
 
 if TYPE_CHECKING:
     from .adapter_pack import AdapterPack
@@ -221,10 +221,11 @@ class BEMLinear(nn.Module):
 
 
 def _forward_checked(module: BEMLinear, spec: tuple, x: torch.Tensor, codes: Optional[torch.Tensor],
-                     packed: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None
+                     packed: Optional[tuple[torch.Tensor, torch.Tensor, Optional[JointSlot]]] = None
                      ) -> torch.Tensor:
     """Every other call: codes laid out as x, autocast, casts, dropout, layers with their own forward.
-    `packed`: the module's (V, U, joint) read from the adapter pack, equal to its parameters."""
+    `packed`: the module's (V, U, joint) read from the adapter pack, equal to its parameters (joint: where its
+    outputs lie in its group's [W; Vᵀ] product, or None)."""
     if codes is not None and codes.shape[:-1] != x.shape[:-1]:
         codes = module._reshape_codes(codes, x)
     if torch.is_autocast_enabled("cuda") if x.is_cuda else torch.is_autocast_enabled(x.device.type):
@@ -243,7 +244,7 @@ def _forward_checked(module: BEMLinear, spec: tuple, x: torch.Tensor, codes: Opt
         codes = codes.to(V.dtype)
     if joint is not None:  # generate's compiled step: the base's GEMM computes x V too (joint_weights)
         bias = module._modules["base_layer"]._parameters.get("bias")
-        return joint_linear(x, joint, module.out_features, bias, codes, U, scaling)
+        return joint_linear(x, joint, bias, codes, U, scaling)
     return _fused(module, spec, x, V, codes, U, own_v=packed is None)
 
 

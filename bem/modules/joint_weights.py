@@ -1,28 +1,37 @@
-"""The frozen weight and Vᵀ in one allocation, so that the base layer's own GEMM computes x V.
+"""The frozen weights and their Vᵀ in one allocation, so that the base's own GEMM computes x V.
 
-For a wrapped `nn.Linear` with weight W (N x K) and rank r, the joint buffer is (N + R) x K, R = r rounded up
-to a multiple of 8 (the output rows keep W's alignment): rows 0..N-1 are W itself (the layer's weight becomes a
-view of them, so no second copy of W exists), rows N..N+r-1 a copy of Vᵀ, the rest zero. One
-`F.linear(x, joint)` then gives `[x Wᵀ | x V]` from the base's own cuBLAS call, and the expand
-`s ((x V) ⊙ c) Uᵀ` is r multiply-adds per output that torch.compile fuses into the consumer's pointwise kernel
-(the residual add, SiLU times up, RoPE). generate's compiled decoding step takes this form
-(`joint_linear`); every other call keeps the fused kernels, which read W once with the update inside.
+For wrapped `nn.Linear` layers with weights W_i (N_i x K) and ranks r_i that take the same input (a group: an
+attention block's q, k and v, a gated MLP's gate and up; any other layer alone), the joint buffer is
+(ΣN_i + R) x K, R = Σr_i rounded up to a multiple of 8 (the output rows keep W's alignment): first every W_i
+itself (each layer's weight becomes a view of its rows, so no second copy of W exists), then a copy of each V_iᵀ,
+the rest zero. One `F.linear(x, joint)` then gives `[x W_1ᵀ | ... | x V_1 | ...]` from one cuBLAS call, fewer
+launches than the base's own, and each layer's expand `s ((x V_i) ⊙ c) U_iᵀ` is r_i multiply-adds per output that
+torch.compile fuses into the consumer's pointwise kernel (the residual add, SiLU times up, RoPE). generate's
+compiled decoding step takes this form (`joint_linear`); every other call keeps the fused kernels, which read W
+once with the update inside.
 
-`JointWeights.refresh()`, called as each `generate` starts (outside any compiled call), re-homes a weight whose
-storage is no longer the joint buffer's (the model moved, a weight was replaced) and copies Vᵀ in again whenever
-V was written (its version counter) or replaced (its address), as the adapter pack does for V and U.
+A group is a guess from the layers' names (`SHARED_INPUT`), checked on every call: the first layer of a group
+called with an input computes the whole group's product and keeps it for the call (`JointSlot.memo`); a later
+layer of the group takes its columns only if it is called with that same tensor, and computes the product again
+otherwise. A wrong guess costs a product, never an answer.
+
+`JointWeights.refresh()`, called as each `generate` starts (outside any compiled call), re-homes the weights of a
+group whose weights are no longer views of its buffer (the model moved, a weight was replaced) and copies Vᵀ in
+again whenever V was written (its version counter) or replaced (its address), as the adapter pack does for V and U.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from typing import Optional, Sequence
+from collections import Counter, defaultdict
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-ROW_ALIGN = 8  # Vᵀ's rows padded to a multiple of this: N + R keeps 16-byte rows of a half-precision output
+ROW_ALIGN = 8  # the Vᵀ rows padded to a multiple of this: the output keeps 16-byte rows of a half-precision output
+# sibling layers that the model families naming them so feed one input: one GEMM in the compiled step
+SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def _padded_rank(r: int) -> int:
@@ -46,74 +55,148 @@ def joinable(module: nn.Module) -> bool:
             and weight.dtype == V.dtype and weight.device == V.device)
 
 
-class JointWeights:
-    """The joint buffers of `modules` (each a `BEMLinear`); None for a module that cannot take the form."""
+def input_groups(names: Sequence[str], grouped: bool = True) -> list[list[int]]:
+    """The indices of `names` (the wrapped layers' module paths, in order) in groups that take one input:
+    siblings (one parent) named in one `SHARED_INPUT` set; every other layer alone (all alone if not `grouped`)."""
+    groups: dict[tuple[str, int], list[int]] = defaultdict(list)
+    for index, name in enumerate(names):
+        parent, _, leaf = name.rpartition(".")
+        kind = next((k for k, leaves in enumerate(SHARED_INPUT) if leaf in leaves), None) if grouped else None
+        groups[(parent, kind) if kind is not None else (name, -1)].append(index)
+    return sorted(groups.values())
 
-    def __init__(self, modules: Sequence[nn.Module]) -> None:
+
+class JointSlot(NamedTuple):
+    """Where one layer reads its outputs in its group's product, for one compiled call."""
+
+    buffer: torch.Tensor  # the group's joint buffer
+    group: int
+    start: int  # the layer's first output column
+    rows: int  # N, its output features
+    h_start: int  # its x V columns
+    memo: dict  # group -> (input, product) of this call, shared by every slot of the call
+
+
+class JointWeights:
+    """The joint buffers of `modules` (each a `BEMLinear`) in `groups` (lists of module indices; default: each
+    module alone). A module that cannot take the form, or whose group differs in K, dtype or device, has none."""
+
+    def __init__(self, modules: Sequence[nn.Module], groups: Optional[Sequence[Sequence[int]]] = None) -> None:
         self._modules = list(modules)
-        self.joints: list[Optional[torch.Tensor]] = [None] * len(self._modules)
+        self._groups = [list(group) for group in groups] if groups is not None else [[i] for i in
+                                                                                       range(len(self._modules))]
+        self.joints: list[Optional[torch.Tensor]] = []  # one buffer a group formed at the last refresh
+        # per module: (group, start, rows, h_start) into `joints`, or None; constants of the compiled call
+        self.layout: tuple[Optional[tuple[int, int, int, int]], ...] = (None,) * len(self._modules)
+        self._members: list[list[int]] = []  # the modules of each buffer
         self._seen: list[Optional[tuple[torch.Tensor, int]]] = [None] * len(self._modules)  # V copied in, its version
 
     def release(self) -> None:
         """Forget every joint buffer (the weights stay views of them until replaced)."""
-        self.joints = [None] * len(self._modules)
+        self.joints, self._members = [], []
+        self.layout = (None,) * len(self._modules)
         self._seen = [None] * len(self._modules)
 
     def unjoin(self) -> None:
         """Give each weight still in a joint buffer a storage of its own size back, and forget the buffers."""
         with torch.inference_mode(False), torch.no_grad():
-            for module, joint in zip(self._modules, self.joints):
-                weight = module._modules["base_layer"]._parameters.get("weight")
-                if joint is not None and weight is not None and weight.data_ptr() == joint.data_ptr():
+            for index, where in enumerate(self.layout):
+                weight = self._weight(index)
+                if where is not None and weight is not None and self._in_buffer(weight, where):
                     weight.data = weight.detach().clone()
         self.release()
 
-    def refresh(self) -> None:
-        """Bring every joint buffer (`joints`, in module order) up to date with its weight and V."""
-        weights = [getattr(module._modules.get("base_layer"), "weight", None) for module in self._modules]
-        # a weight that two wrapped layers share could be the leading rows of only one of their buffers
+    def slots(self, memo: dict) -> list[Optional[JointSlot]]:
+        """Each module's `JointSlot` (None without a buffer), all sharing `memo`."""
+        return [None if where is None else JointSlot(self.joints[where[0]], *where, memo) for where in self.layout]
+
+    def _weight(self, index: int) -> Optional[torch.Tensor]:
+        return getattr(self._modules[index]._modules.get("base_layer"), "weight", None)
+
+    def _in_buffer(self, weight: torch.Tensor, where: tuple[int, int, int, int]) -> bool:
+        group, start, rows, _ = where
+        joint = self.joints[group] if group < len(self.joints) else None
+        return (joint is not None and weight.shape == (rows, joint.shape[1]) and weight.dtype == joint.dtype
+                and weight.data_ptr() == joint[start].data_ptr())
+
+    def _formed_groups(self) -> list[list[int]]:
+        """The configured groups, each cut down to the modules that can join it: joinable, sharing the first one's
+        K, dtype and device, with a weight no other wrapped layer shares (it could be the rows of one buffer only)."""
+        weights = [self._weight(index) for index in range(len(self._modules))]
         owners = Counter(id(weight) for weight in weights if weight is not None)
+        formed = []
+        for group in self._groups:
+            members = [i for i in group if joinable(self._modules[i]) and owners[id(weights[i])] == 1]
+            if not members:
+                continue
+            first = weights[members[0]]
+            alike = [i for i in members if weights[i].shape[1] == first.shape[1] and weights[i].dtype == first.dtype
+                     and weights[i].device == first.device]
+            formed.append(alike)
+            formed.extend([i] for i in members if i not in alike)
+        return formed
+
+    def refresh(self) -> None:
+        """Bring every joint buffer up to date with its weights and Vs."""
+        groups = self._formed_groups()
         # a normal tensor even inside inference mode: the weight is a view of it and autograd may save it later
         with torch.inference_mode(False), torch.no_grad():
-            for index, (module, weight) in enumerate(zip(self._modules, weights)):
-                if not joinable(module) or owners[id(weight)] > 1:
-                    self.joints[index], self._seen[index] = None, None
+            if groups != self._members or not all(
+                    self._in_buffer(self._weight(i), self.layout[i]) for group in groups for i in group):
+                self._rehome(groups)
+            for index, where in enumerate(self.layout):
+                if where is None:
                     continue
-                joint = self.joints[index]
-                if joint is None or weight.data_ptr() != joint.data_ptr():
-                    joint = self._rehome(module, weight)
-                    self.joints[index], self._seen[index] = joint, None
-                V = module._parameters["bem_V"].detach()
+                V = self._modules[index]._parameters["bem_V"].detach()
                 seen = self._seen[index]
                 if seen is None or seen[0].data_ptr() != V.data_ptr() or seen[1] != V._version:
-                    N, r = weight.shape[0], V.shape[1]
-                    joint[N:N + r].copy_(V.t())
+                    group, _, _, h_start = where
+                    self.joints[group][h_start:h_start + V.shape[1]].copy_(V.t())
                     self._seen[index] = (V, V._version)
 
-    @staticmethod
-    def _rehome(module: nn.Module, weight: nn.Parameter) -> torch.Tensor:
-        """A new (N + R) x K buffer holding W and zeros; the weight's data becomes its first N rows."""
-        N, K = weight.shape
-        R = _padded_rank(module._parameters["bem_V"].shape[1])
-        joint = torch.empty(N + R, K, dtype=weight.dtype, device=weight.device)
-        joint[:N].copy_(weight.detach())
-        joint[N:].zero_()
-        weight.data = joint[:N]  # the old storage goes once nothing else holds it: W is never kept twice
-        # a fixed address: CUDA-graph replays read it in place instead of copying it in before each replay
-        torch._dynamo.mark_static_address(joint)
-        return joint
+    def _rehome(self, groups: list[list[int]]) -> None:
+        """New buffers for `groups`: each holds its modules' W, then zeros where the Vᵀ rows go; each weight's data
+        becomes its rows (the old storage goes once nothing else holds it: W is never kept twice)."""
+        joints, layout = [], [None] * len(self._modules)
+        for number, group in enumerate(groups):
+            weights = [self._weight(i) for i in group]
+            rows = sum(w.shape[0] for w in weights)
+            rank = sum(self._modules[i]._parameters["bem_V"].shape[1] for i in group)
+            first = weights[0]
+            joint = torch.empty(rows + _padded_rank(rank), first.shape[1], dtype=first.dtype, device=first.device)
+            start, h_start = 0, rows
+            for index, weight in zip(group, weights):
+                N = weight.shape[0]
+                joint[start:start + N].copy_(weight.detach())
+                layout[index] = (number, start, N, h_start)
+                start, h_start = start + N, h_start + self._modules[index]._parameters["bem_V"].shape[1]
+            joint[rows:].zero_()
+            for index, weight in zip(group, weights):
+                _, start, N, _ = layout[index]
+                weight.data = joint[start:start + N]
+            # a fixed address: CUDA-graph replays read it in place instead of copying it in before each replay
+            torch._dynamo.mark_static_address(joint)
+            joints.append(joint)
+        self.joints, self.layout, self._members = joints, tuple(layout), groups
+        self._seen = [None] * len(self._modules)
 
 
-def joint_linear(x: torch.Tensor, joint: torch.Tensor, out_features: int, bias: Optional[torch.Tensor],
-                 codes: Optional[torch.Tensor], U: torch.Tensor, scaling: float) -> torch.Tensor:
-    """`x Wᵀ + b + s ((x V) ⊙ c) Uᵀ` from the joint buffer: one GEMM for `x Wᵀ` and `x V`, then the expand as r
-    multiply-adds (written out, so that the compiler fuses them with the consumer rather than launching a
-    product of inner size r). x (..., K), joint (N + R, K), codes (..., r) or None, U (N, r)."""
-    z = F.linear(x, joint)
-    N, r = out_features, U.shape[1]
-    h = z[..., N:N + r]
+def joint_linear(x: torch.Tensor, slot: JointSlot, bias: Optional[torch.Tensor], codes: Optional[torch.Tensor],
+                 U: torch.Tensor, scaling: float) -> torch.Tensor:
+    """`x Wᵀ + b + s ((x V) ⊙ c) Uᵀ` from the group's product `x [W_1; ...; V_1ᵀ; ...]ᵀ` (computed here, or kept
+    by an earlier layer of the group called with this same x), then the expand as r multiply-adds (written out, so
+    that the compiler fuses them with the consumer rather than launching a product of inner size r).
+    x (..., K), codes (..., r) or None, U (N, r)."""
+    held = slot.memo.get(slot.group)
+    if held is not None and held[0] is x:
+        z = held[1]
+    else:
+        z = F.linear(x, slot.buffer)
+        slot.memo[slot.group] = (x, z)
+    r = U.shape[1]
+    h = z[..., slot.h_start:slot.h_start + r]
     h = h * scaling if codes is None else h * codes * scaling
-    out = z[..., :N]
+    out = z[..., slot.start:slot.start + slot.rows]
     if bias is not None:
         out = out + bias
     for j in range(r):

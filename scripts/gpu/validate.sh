@@ -38,6 +38,7 @@ if [ -n "${KEEP_BUILD:-}" ] && ls bem/_C*.so >/dev/null 2>&1; then  # a second r
   SUMMARY+=("build: kept")
 elif [ -n "${NO_BUILD:-}" ]; then  # steps that run no kernel of ours (quality: the PyTorch reference paths)
   rm -rf build bem/_C*.so
+  export BEM_JIT=0  # and no build just in time either
   SUMMARY+=("build: none (NO_BUILD)")
 else
   rm -rf build bem/_C*.so  # a warm machine keeps the last build: always build from scratch
