@@ -50,8 +50,8 @@ def test_joint_linear_matches_the_float64_reference(rank, with_bias, with_codes)
             expected = x @ W.t() + 1.5 * ((x @ V) * (1.0 if codes is None else codes)) @ U.t()
             if bias is not None:
                 expected = expected + bias
-            slot = JointSlot(buffer, 0, starts[layer], W.shape[0], h_starts[layer], memo)
-            out = joint_linear(x, slot, bias, codes, U, 1.5)
+            slot = JointSlot(buffer, 0, starts[layer], W.shape[0], h_starts[layer], bias, memo)
+            out = joint_linear(x, slot, codes, U, 1.5)
             assert out.shape == expected.shape
             assert torch.allclose(out, expected, rtol=1e-12, atol=1e-12)
             assert memo[0][0] is x  # one product of the group per input

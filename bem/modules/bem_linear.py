@@ -231,8 +231,11 @@ def _forward_checked(module: BEMLinear, spec: tuple, x: torch.Tensor, codes: Opt
     if torch.is_autocast_enabled("cuda") if x.is_cuda else torch.is_autocast_enabled(x.device.type):
         return module._forward_autocast(x, codes)
     _, scaling, _, owns_product, has_dropout, use_fused = spec
-    params = module._parameters
-    V, U, joint = packed if packed is not None else (params["bem_V"], params["bem_U"], None)
+    if packed is None:
+        params = module._parameters
+        V, U, joint = params["bem_V"], params["bem_U"], None
+    else:  # the module's own dicts stay unread: a compiled call guards what it reads of each module
+        V, U, joint = packed
     if not owns_product and use_fused and not (has_dropout and module.training):
         # a 4-bit bitsandbytes layer: BEM's 4-bit path (bem/kernels/quant/ops.py), or None where it declines
         y = quant_ops.fused_linear(module._modules["base_layer"], x, V, codes, U, scaling)
@@ -243,8 +246,7 @@ def _forward_checked(module: BEMLinear, spec: tuple, x: torch.Tensor, codes: Opt
     if codes is not None and codes.dtype != V.dtype:
         codes = codes.to(V.dtype)
     if joint is not None:  # generate's compiled step: the base's GEMM computes x V too (joint_weights)
-        bias = module._modules["base_layer"]._parameters.get("bias")
-        return joint_linear(x, joint, bias, codes, U, scaling)
+        return joint_linear(x, joint, codes, U, scaling)
     return _fused(module, spec, x, V, codes, U, own_v=packed is None)
 
 

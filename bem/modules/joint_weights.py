@@ -74,6 +74,7 @@ class JointSlot(NamedTuple):
     start: int  # the layer's first output column
     rows: int  # N, its output features
     h_start: int  # its x V columns
+    bias: Optional[torch.Tensor]  # the layer's own (read at the refresh: a compiled call then guards one item)
     memo: dict  # group -> (input, product) of this call, shared by every slot of the call
 
 
@@ -89,6 +90,7 @@ class JointWeights:
         # per module: (group, start, rows, h_start) into `joints`, or None; constants of the compiled call
         self.layout: tuple[Optional[tuple[int, int, int, int]], ...] = (None,) * len(self._modules)
         self._members: list[list[int]] = []  # the modules of each buffer
+        self.biases: list[Optional[torch.Tensor]] = [None] * len(self._modules)  # each base layer's, at the refresh
         self._seen: list[Optional[tuple[torch.Tensor, int]]] = [None] * len(self._modules)  # V copied in, its version
 
     def release(self) -> None:
@@ -108,7 +110,8 @@ class JointWeights:
 
     def slots(self, memo: dict) -> list[Optional[JointSlot]]:
         """Each module's `JointSlot` (None without a buffer), all sharing `memo`."""
-        return [None if where is None else JointSlot(self.joints[where[0]], *where, memo) for where in self.layout]
+        return [None if where is None else JointSlot(self.joints[where[0]], *where, bias, memo)
+                for where, bias in zip(self.layout, self.biases)]
 
     def _weight(self, index: int) -> Optional[torch.Tensor]:
         return getattr(self._modules[index]._modules.get("base_layer"), "weight", None)
@@ -139,6 +142,7 @@ class JointWeights:
     def refresh(self) -> None:
         """Bring every joint buffer up to date with its weights and Vs."""
         groups = self._formed_groups()
+        self.biases = [getattr(module._modules.get("base_layer"), "bias", None) for module in self._modules]
         # a normal tensor even inside inference mode: the weight is a view of it and autograd may save it later
         with torch.inference_mode(False), torch.no_grad():
             if groups != self._members or not all(
@@ -181,8 +185,8 @@ class JointWeights:
         self._seen = [None] * len(self._modules)
 
 
-def joint_linear(x: torch.Tensor, slot: JointSlot, bias: Optional[torch.Tensor], codes: Optional[torch.Tensor],
-                 U: torch.Tensor, scaling: float) -> torch.Tensor:
+def joint_linear(x: torch.Tensor, slot: JointSlot, codes: Optional[torch.Tensor], U: torch.Tensor,
+                 scaling: float) -> torch.Tensor:
     """`x Wᵀ + b + s ((x V) ⊙ c) Uᵀ` from the group's product `x [W_1; ...; V_1ᵀ; ...]ᵀ` (computed here, or kept
     by an earlier layer of the group called with this same x), then the expand as r multiply-adds (written out, so
     that the compiler fuses them with the consumer rather than launching a product of inner size r).
@@ -197,8 +201,8 @@ def joint_linear(x: torch.Tensor, slot: JointSlot, bias: Optional[torch.Tensor],
     h = z[..., slot.h_start:slot.h_start + r]
     h = h * scaling if codes is None else h * codes * scaling
     out = z[..., slot.start:slot.start + slot.rows]
-    if bias is not None:
-        out = out + bias
+    if slot.bias is not None:
+        out = out + slot.bias
     for j in range(r):
         out = out + h[..., j:j + 1] * U[:, j]
     return out
