@@ -11,7 +11,7 @@ from bem.modules.joint_weights import ROW_ALIGN, JointSlot, input_groups, joint_
 
 from conftest import randomize_bem
 from test_adapter_pack import assert_compiled_generate_is_exact
-from test_decoding_paths import left_padded
+from test_decoding_paths import full_forward_greedy, generate, left_padded
 
 
 def wrapped(load_base, arch: str = "llama", seed: int = 0, rank: int = 3):
@@ -104,10 +104,8 @@ def test_a_group_whose_layers_take_different_inputs_stays_exact(load_base):
     model = wrapped(load_base, seed=15)
     shared = joint_weights.SHARED_INPUT
     try:
+        # read when the first generate makes the model's adapter pack
         joint_weights.SHARED_INPUT = (("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj"))
-        model.joint_groups = False  # a pack made anew, with these groups
-        model._pack = None
-        model.joint_groups = True
         assert_compiled_generate_is_exact(model, *left_padded(seed=16))
         layout = model._pack.joint_weights.layout
         assert layout[0][0] == layout[3][0], "o_proj joins q, k and v (one width here)"
@@ -115,6 +113,42 @@ def test_a_group_whose_layers_take_different_inputs_stays_exact(load_base):
         assert len(model._pack.joint_weights.joints) == 3 * (len(model.bem_module_names) // 7)
     finally:
         joint_weights.SHARED_INPUT = shared
+
+
+def compiled_linears(model, ids, mask) -> int:
+    """generate's compiled step, checked against the full forward; the linear products its graph computes."""
+    from transformers import CompileConfig
+
+    expected, expected_logits = full_forward_greedy(model, ids, mask)
+    counts = []
+
+    def counting(gm, example_inputs, **options):
+        counts.append(sum(node.target in (torch._C._nn.linear, torch.nn.functional.linear) for node in gm.graph.nodes))
+        return gm.forward
+
+    config = CompileConfig(backend=counting, fullgraph=True)
+    config._compile_all_devices = True
+    tokens, logits = generate(model, ids, mask, cache_implementation="static", compile_config=config)
+    assert torch.equal(tokens, expected) and (logits - expected_logits).abs().max().item() < 1e-5
+    return counts[-1]
+
+
+def test_turning_the_groups_off_between_generates_rehomes_every_weight(load_base):
+    torch._dynamo.reset()
+    model = wrapped(load_base, seed=19)
+    ids, mask = left_padded(seed=20)
+    layers = len(model.bem_module_names) // 7
+    grouped = compiled_linears(model, ids, mask)
+    assert len(model._pack.joint_weights.joints) == 4 * layers
+    model.joint_groups = False
+    # q, k and v, and gate and up, were one product each: three a layer more now
+    assert compiled_linears(model, ids, mask) == grouped + 3 * layers
+    joint_weights = model._pack.joint_weights
+    assert len(joint_weights.joints) == len(model.bem_module_names)
+    for (_, module), (group, start, N, _) in zip(model.bem_modules(), joint_weights.layout):
+        joint = joint_weights.joints[group]
+        assert start == 0 and joint.shape[0] == N + ROW_ALIGN
+        assert module.base_layer.weight.data_ptr() == joint.data_ptr()
 
 
 def test_groups_off_gives_each_layer_a_buffer_of_its_own(load_base):
