@@ -86,7 +86,7 @@ class JointWeights:
         self._modules = list(modules)
         self._groups = [list(group) for group in groups] if groups is not None else [[i] for i in
                                                                                        range(len(self._modules))]
-        self.joints: list[Optional[torch.Tensor]] = []  # one buffer a group formed at the last refresh
+        self.joints: list[torch.Tensor] = []  # one buffer a group formed at the last refresh
         # per module: (group, start, rows, h_start) into `joints`, or None; constants of the compiled call
         self.layout: tuple[Optional[tuple[int, int, int, int]], ...] = (None,) * len(self._modules)
         self._members: list[list[int]] = []  # the modules of each buffer
@@ -97,6 +97,7 @@ class JointWeights:
         """Forget every joint buffer (the weights stay views of them until replaced)."""
         self.joints, self._members = [], []
         self.layout = (None,) * len(self._modules)
+        self.biases = [None] * len(self._modules)  # held no longer than the buffers (a model moved frees them)
         self._seen = [None] * len(self._modules)
 
     def unjoin(self) -> None:
