@@ -70,6 +70,9 @@ SUITES = {
 }
 
 
+MIXER_HEADS = 4  # the mixers' heads (mLSTM's; --mixer-dim must be a multiple)
+
+
 @dataclass
 class Settings:
     steps: int = 400
@@ -104,7 +107,8 @@ def bem_config(settings: Settings, rank: int, routing: bool = True, mixer: Optio
     return HierarchicalBEMConfig(rank=rank, alpha=2.0 * rank, enable_routing=routing, attach_qkv=True,
                                  controller_dim=settings.controller_dim, chunk_size=settings.chunk_size,
                                  max_prefix_tokens=settings.max_prefix_tokens, use_fused_kernels=False,
-                                 mixer=mixer, mixer_dim=settings.mixer_dim, mixer_heads=4, mixer_max_length=max(64, length))
+                                 mixer=mixer, mixer_dim=settings.mixer_dim, mixer_heads=MIXER_HEADS,
+                                 mixer_max_length=max(64, length))
 
 
 def peft_adapter(base: nn.Module, rank: int, dora: bool) -> nn.Module:
@@ -377,7 +381,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="the routing controller's learning rate over the adapters' (BEM variants)")
     parser.add_argument("--rank", type=int, default=Settings.rank)
     parser.add_argument("--mixer-dim", type=int, default=Settings.mixer_dim,
-                        help="the mixers' inner width on the recall suites (a multiple of their 4 heads)")
+                        help=f"the mixers' inner width on the recall suites (a multiple of their {MIXER_HEADS} heads)")
     parser.add_argument("--eval-rows", type=int, default=Settings.eval_rows)
     parser.add_argument("--base-width", type=int, default=BaseSpec.width)
     parser.add_argument("--base-layers", type=int, default=BaseSpec.layers)
@@ -414,8 +418,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(f"--base-window must be 0 (full attention) or positive, got {args.base_window}")
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
-    if args.mixer_dim < 4 or args.mixer_dim % 4:
-        parser.error(f"--mixer-dim must be a positive multiple of the mixers' 4 heads, got {args.mixer_dim}")
+    if args.mixer_dim < MIXER_HEADS or args.mixer_dim % MIXER_HEADS:
+        parser.error(f"--mixer-dim must be a positive multiple of the mixers' {MIXER_HEADS} heads, "
+                     f"got {args.mixer_dim}")
     only = [v for v in args.variants.split(",") if v] or None
     known = {name for suite in suites or SUITES for name in variant_names(suite)}
     if only and set(only) - known:

@@ -105,7 +105,7 @@ class JointWeights:
         with torch.inference_mode(False), torch.no_grad():
             for index, where in enumerate(self.layout):
                 weight = self._weight(index)
-                if where is not None and weight is not None and self._in_buffer(weight, where):
+                if where is not None and self._in_buffer(weight, where):
                     weight.data = weight.detach().clone()
         self.release()
 
@@ -117,16 +117,17 @@ class JointWeights:
     def _weight(self, index: int) -> Optional[torch.Tensor]:
         return getattr(self._modules[index]._modules.get("base_layer"), "weight", None)
 
-    def _in_buffer(self, weight: torch.Tensor, where: tuple[int, int, int, int]) -> bool:
+    def _in_buffer(self, weight: Optional[torch.Tensor], where: tuple[int, int, int, int]) -> bool:
+        """Whether `weight` is still the view of its rows `where` (a layout entry of the current buffers)."""
         group, start, rows, _ = where
-        joint = self.joints[group] if group < len(self.joints) else None
-        return (joint is not None and weight.shape == (rows, joint.shape[1]) and weight.dtype == joint.dtype
-                and weight.data_ptr() == joint[start].data_ptr())
+        joint = self.joints[group]
+        return (weight is not None and weight.shape == (rows, joint.shape[1]) and weight.dtype == joint.dtype
+                and weight.data_ptr() == joint.data_ptr() + start * joint.stride(0) * joint.element_size())
 
-    def _formed_groups(self) -> list[list[int]]:
+    def _formed_groups(self, weights: list[Optional[torch.Tensor]]) -> list[list[int]]:
         """The configured groups, each cut down to the modules that can join it: joinable, sharing the first one's
-        K, dtype and device, with a weight no other wrapped layer shares (it could be the rows of one buffer only)."""
-        weights = [self._weight(index) for index in range(len(self._modules))]
+        K, dtype and device, with a weight no other wrapped layer shares (it could be the rows of one buffer only).
+        `weights`: each module's base weight."""
         owners = Counter(id(weight) for weight in weights if weight is not None)
         formed = []
         for group in self._groups:
@@ -142,13 +143,14 @@ class JointWeights:
 
     def refresh(self) -> None:
         """Bring every joint buffer up to date with its weights and Vs."""
-        groups = self._formed_groups()
+        weights = [self._weight(index) for index in range(len(self._modules))]
+        groups = self._formed_groups(weights)
         self.biases = [getattr(module._modules.get("base_layer"), "bias", None) for module in self._modules]
         # a normal tensor even inside inference mode: the weight is a view of it and autograd may save it later
         with torch.inference_mode(False), torch.no_grad():
             if groups != self._members or not all(
-                    self._in_buffer(self._weight(i), self.layout[i]) for group in groups for i in group):
-                self._rehome(groups)
+                    self._in_buffer(weights[i], self.layout[i]) for group in groups for i in group):
+                self._rehome(groups, weights)
             for index, where in enumerate(self.layout):
                 if where is None:
                     continue
@@ -159,12 +161,12 @@ class JointWeights:
                     self.joints[group][h_start:h_start + V.shape[1]].copy_(V.t())
                     self._seen[index] = (V, V._version)
 
-    def _rehome(self, groups: list[list[int]]) -> None:
+    def _rehome(self, groups: list[list[int]], module_weights: list[Optional[torch.Tensor]]) -> None:
         """New buffers for `groups`: each holds its modules' W, then zeros where the Vᵀ rows go; each weight's data
         becomes its rows (the old storage goes once nothing else holds it: W is never kept twice)."""
         joints, layout = [], [None] * len(self._modules)
         for number, group in enumerate(groups):
-            weights = [self._weight(i) for i in group]
+            weights = [module_weights[i] for i in group]
             rows = sum(w.shape[0] for w in weights)
             rank = sum(self._modules[i]._parameters["bem_V"].shape[1] for i in group)
             first = weights[0]
