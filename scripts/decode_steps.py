@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python scripts/decode_steps.py --config configs/profile_llama_1b.yaml [--config ...]
         [--batch 1,16] [--tokens 48] [--rounds 10] [--modes compiled,eager] [--variants base,bem,kernels]
-        [--breakdown] [--json out.json]
+        [--breakdown] [--host] [--json out.json]
 
 Whole `generate` calls time the prompt's prefill, the host's set-up and the decoding steps together, and
 their spread between repeats is wider than the overhead they measure. Here a logits processor records a CUDA
@@ -16,6 +16,8 @@ one for the layers that share an input), `ungrouped` (BEM with `joint_groups` of
 `kernels` (BEM with `joint_weights` off: the fused kernels in the compiled step too), `lora` (PEFT LoRA).
 Modes: `compiled` (a static cache and generate's compiled decoding step, as users deploy), `eager` (the
 dynamic cache). `--breakdown`: each compiled variant's device time per step by kernel kind, from the profiler.
+`--host`: each compiled variant's host time per step by profiler event (the events BEM changes most, against the
+base) and the Python functions a stack sampler finds the host in most often, during decoding.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from transformers import LogitsProcessorList
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compiled_decode_breakdown import KINDS, kernel_times, per_decoding_step  # noqa: E402
+from compiled_step_host import host_times  # noqa: E402
+from stack_sampler import StackSampler  # noqa: E402
 
 from bem import create_hierarchical_bem  # noqa: E402
 from bem.io_utils import atomic_write_json  # noqa: E402
@@ -89,8 +93,46 @@ def models_for(config_path: str, names: list[str], device: torch.device):
     return config, base, {name: models[name] for name in names if name in models}
 
 
+def host_profile(run, tokens: int, device: torch.device) -> dict[str, Any]:
+    """Host µs and calls per decoding step by profiler event, and the sampler's top Python functions (share of
+    samples)."""
+    full = lambda _i: run(tokens)  # noqa: E731
+    first = lambda _i: run(1)  # noqa: E731
+    (micros_full, calls_full, _), (micros_first, calls_first, _) = host_times(full, device), host_times(first, device)
+    with StackSampler() as sampler:
+        for _ in range(3):
+            run(tokens)
+    total = max(sampler.samples, 1)
+    return {"host_us_per_step": per_decoding_step(micros_full, micros_first, tokens - 1),
+            "host_calls_per_step": per_decoding_step(calls_full, calls_first, tokens - 1),
+            "host_self_share": [(name, count / total) for name, count in sampler.self_counts.most_common(40)],
+            "host_inclusive_share": [(name, count / total) for name, count in sampler.inclusive.most_common(60)]}
+
+
+def print_host(rows: list[dict[str, Any]], top: int = 25) -> None:
+    """The host events whose time per step differs most from the base's, for each other variant."""
+    base = next((row for row in rows if row["variant"] == "base" and "host_us_per_step" in row), None)
+    for row in rows:
+        if base is None or row is base or "host_us_per_step" not in row:
+            continue
+        ours, theirs = row["host_us_per_step"], base["host_us_per_step"]
+        our_calls, their_calls = row["host_calls_per_step"], base["host_calls_per_step"]
+        print(f"  host, {row['variant']} against base (µs and calls a step; profiled totals {sum(ours.values()):.0f}"
+              f" / {sum(theirs.values()):.0f}):")
+        for key in sorted(set(ours) | set(theirs), key=lambda k: -abs(ours.get(k, 0.0) - theirs.get(k, 0.0)))[:top]:
+            print(f"    {ours.get(key, 0.0):9.1f} {theirs.get(key, 0.0):9.1f} {our_calls.get(key, 0.0):7.1f} "
+                  f"{their_calls.get(key, 0.0):7.1f}  {key}")
+    for row in rows:
+        if "host_self_share" not in row:
+            continue
+        print(f"  host, {row['variant']}: the sampler's top functions (self share of samples)")
+        for name, share in row["host_self_share"][:12]:
+            print(f"    {100 * share:5.1f}%  {name[:110]}")
+
+
 def measure(config_path: str, batches: list[int], modes: list[str], names: list[str], tokens: int, rounds: int,
-            breakdown: bool, device: torch.device, json_path: str = "", done: list = ()) -> list[dict[str, Any]]:
+            breakdown: bool, device: torch.device, json_path: str = "", done: list = (),
+            host: bool = False) -> list[dict[str, Any]]:
     config, base, models = models_for(config_path, names, device)
     pad = getattr(base.config, "pad_token_id", None) or 0
     rows = []
@@ -126,12 +168,16 @@ def measure(config_path: str, batches: list[int], modes: list[str], names: list[
                     row.update(us_per_step=per_step, kernels_per_step=launches,
                                busy_us_per_step=sum(per_step.values()),
                                top_kernels_us=sorted(names_us.items(), key=lambda item: -item[1])[:30])
+                if host and mode == "compiled":
+                    row.update(host_profile(runs[name], tokens, device))
                 rows.append(row)
                 print(line(row), flush=True)
                 for kernel, micros in row.get("top_kernels_us", []):
                     print(f"    {micros:8.1f} µs  {kernel}", flush=True)
                 if json_path:  # row by row: a call cut off keeps what it measured
                     atomic_write_json(json_path, done + rows)
+            if host and mode == "compiled":
+                print_host([row for row in rows if row["batch"] == batch and row["mode"] == mode])
     del models
     torch.cuda.empty_cache()
     return rows
@@ -157,6 +203,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--breakdown", action="store_true")
+    parser.add_argument("--host", action="store_true")
     parser.add_argument("--json")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -169,7 +216,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for config in args.config:
         rows += measure(config, [int(b) for b in args.batch.split(",")], args.modes.split(","), names,
-                        args.tokens, args.rounds, args.breakdown, device, args.json or "", list(rows))
+                        args.tokens, args.rounds, args.breakdown, device, args.json or "", list(rows), args.host)
     import transformers
 
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}; "

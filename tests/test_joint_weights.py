@@ -32,10 +32,11 @@ def group_buffer(weights, Vs, rank_total):
     return torch.cat([*weights, *(V.t() for V in Vs), torch.full((pad, K), float("nan"), dtype=weights[0].dtype)])
 
 
+@pytest.mark.parametrize("apart", [False, True], ids=["fused-expand", "expand-apart"])
 @pytest.mark.parametrize("with_codes", [True, False])
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("rank", [1, 3, 8, 13])
-def test_joint_linear_matches_the_float64_reference(rank, with_bias, with_codes):
+def test_joint_linear_matches_the_float64_reference(rank, with_bias, with_codes, apart):
     generator = torch.Generator().manual_seed(rank)
     randn = lambda *shape: torch.randn(*shape, generator=generator, dtype=torch.float64)  # noqa: E731
     K, sizes, ranks = 29, (37, 11, 13), (rank, rank + 2, 1)  # a group of three layers, e.g. q, k and v
@@ -50,7 +51,7 @@ def test_joint_linear_matches_the_float64_reference(rank, with_bias, with_codes)
             expected = x @ W.t() + 1.5 * ((x @ V) * (1.0 if codes is None else codes)) @ U.t()
             if bias is not None:
                 expected = expected + bias
-            slot = JointSlot(buffer, 0, starts[layer], W.shape[0], h_starts[layer], bias, memo)
+            slot = JointSlot(buffer, 0, starts[layer], W.shape[0], h_starts[layer], bias, memo, apart)
             out = joint_linear(x, slot, codes, U, 1.5)
             assert out.shape == expected.shape
             assert torch.allclose(out, expected, rtol=1e-12, atol=1e-12)
@@ -88,6 +89,8 @@ def test_the_compiled_step_reads_joint_buffers_and_keeps_no_second_weight(load_b
         leaf = names[index].rsplit(".", 1)[1]
         members = sum(1 for other in joint_weights.layout if other[0] == group)
         assert members == {"q_proj": 3, "k_proj": 3, "v_proj": 3, "gate_proj": 2, "up_proj": 2}.get(leaf, 1)
+        # a layer alone (o, down: a residual branch) takes its expand as a product of its own
+        assert joint_weights.slots({})[index].apart == (members == 1)
     for joint in joint_weights.joints:  # each group's rank rows padded to 8, the padding zero
         members = [m for m, where in zip(modules, joint_weights.layout) if joint_weights.joints[where[0]] is joint]
         rows = sum(m.base_layer.weight.shape[0] for m in members)

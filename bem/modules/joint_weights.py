@@ -5,10 +5,13 @@ attention block's q, k and v, a gated MLP's gate and up; any other layer alone),
 (ΣN_i + R) x K, R = Σr_i rounded up to a multiple of 8 (the output rows keep W's alignment): first every W_i
 itself (each layer's weight becomes a view of its rows, so no second copy of W exists), then a copy of each V_iᵀ,
 the rest zero. One `F.linear(x, joint)` then gives `[x W_1ᵀ | ... | x V_1 | ...]` from one cuBLAS call, fewer
-launches than the base's own, and each layer's expand `s ((x V_i) ⊙ c) U_iᵀ` is r_i multiply-adds per output that
-torch.compile fuses into the consumer's pointwise kernel (the residual add, SiLU times up, RoPE). generate's
-compiled decoding step takes this form (`joint_linear`); every other call keeps the fused kernels, which read W
-once with the update inside.
+launches than the base's own. Each layer's expand `s ((x V_i) ⊙ c) U_iᵀ` is written for the kernel that consumes
+it: in a group (q, k, v; gate, up) as r_i multiply-adds per output, which torch.compile fuses into the consumer's
+pointwise kernel (SiLU times up, RoPE, the cache write); for a layer alone (an attention output, a down
+projection: a residual branch, whose consumer is the residual add and the next norm's reduction) as a product of
+inner size r_i, a kernel of its own (`EXPAND_APART`). Fused into the norm's reduction, the expand runs in the
+reduction's thread blocks: one block at batch 1. generate's compiled decoding step takes this form
+(`joint_linear`); every other call keeps the fused kernels, which read W once with the update inside.
 
 A group is a guess from the layers' names (`SHARED_INPUT`), checked on every call: the first layer of a group
 called with an input computes the whole group's product and keeps it for the call (`JointSlot.memo`); a later
@@ -32,6 +35,8 @@ import torch.nn.functional as F
 ROW_ALIGN = 8  # the Vᵀ rows padded to a multiple of this: the output keeps 16-byte rows of a half-precision output
 # sibling layers that the model families naming them so feed one input: one GEMM in the compiled step
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# a layer alone in its buffer takes its expand as a product of its own (module docstring); False: fused everywhere
+EXPAND_APART = True
 
 
 def _padded_rank(r: int) -> int:
@@ -76,6 +81,7 @@ class JointSlot(NamedTuple):
     h_start: int  # its x V columns
     bias: Optional[torch.Tensor]  # the layer's own (read at the refresh: a compiled call then guards one item)
     memo: dict  # group -> (input, product) of this call, shared by every slot of the call
+    apart: bool = False  # the expand as a product of its own (a layer alone), else fused into its consumer
 
 
 class JointWeights:
@@ -90,6 +96,7 @@ class JointWeights:
         # per module: (group, start, rows, h_start) into `joints`, or None; constants of the compiled call
         self.layout: tuple[Optional[tuple[int, int, int, int]], ...] = (None,) * len(self._modules)
         self._members: list[list[int]] = []  # the modules of each buffer
+        self._alone: tuple[bool, ...] = (False,) * len(self._modules)  # the only module of its buffer
         self.biases: list[Optional[torch.Tensor]] = [None] * len(self._modules)  # each base layer's, at the refresh
         self._seen: list[Optional[tuple[torch.Tensor, int]]] = [None] * len(self._modules)  # V copied in, its version
 
@@ -97,6 +104,7 @@ class JointWeights:
         """Forget every joint buffer (the weights stay views of them until replaced)."""
         self.joints, self._members = [], []
         self.layout = (None,) * len(self._modules)
+        self._alone = (False,) * len(self._modules)
         self.biases = [None] * len(self._modules)  # held no longer than the buffers (a model moved frees them)
         self._seen = [None] * len(self._modules)
 
@@ -111,8 +119,8 @@ class JointWeights:
 
     def slots(self, memo: dict) -> list[Optional[JointSlot]]:
         """Each module's `JointSlot` (None without a buffer), all sharing `memo`."""
-        return [None if where is None else JointSlot(self.joints[where[0]], *where, bias, memo)
-                for where, bias in zip(self.layout, self.biases)]
+        return [None if where is None else JointSlot(self.joints[where[0]], *where, bias, memo, EXPAND_APART and alone)
+                for where, bias, alone in zip(self.layout, self.biases, self._alone)]
 
     def _weight(self, index: int) -> Optional[torch.Tensor]:
         return getattr(self._modules[index]._modules.get("base_layer"), "weight", None)
@@ -185,14 +193,19 @@ class JointWeights:
             torch._dynamo.mark_static_address(joint)
             joints.append(joint)
         self.joints, self.layout, self._members = joints, tuple(layout), groups
+        alone = [False] * len(self._modules)
+        for group in groups:
+            if len(group) == 1:
+                alone[group[0]] = True
+        self._alone = tuple(alone)
         self._seen = [None] * len(self._modules)
 
 
 def joint_linear(x: torch.Tensor, slot: JointSlot, codes: Optional[torch.Tensor], U: torch.Tensor,
                  scaling: float) -> torch.Tensor:
     """`x Wᵀ + b + s ((x V) ⊙ c) Uᵀ` from the group's product `x [W_1; ...; V_1ᵀ; ...]ᵀ` (computed here, or kept
-    by an earlier layer of the group called with this same x), then the expand as r multiply-adds (written out, so
-    that the compiler fuses them with the consumer rather than launching a product of inner size r).
+    by an earlier layer of the group called with this same x), then the expand: a product of inner size r where
+    `slot.apart`, else r multiply-adds written out, which the compiler fuses with the consumer.
     x (..., K), codes (..., r) or None, U (N, r)."""
     held = slot.memo.get(slot.group)
     if held is not None and held[0] is x:
@@ -206,6 +219,8 @@ def joint_linear(x: torch.Tensor, slot: JointSlot, codes: Optional[torch.Tensor]
     out = z[..., slot.start:slot.start + slot.rows]
     if slot.bias is not None:
         out = out + slot.bias
+    if slot.apart:
+        return out + h @ U.t()
     for j in range(r):
         out = out + h[..., j:j + 1] * U[:, j]
     return out
