@@ -91,7 +91,7 @@ def test_the_compiled_step_reads_joint_buffers_and_keeps_no_second_weight(load_b
         assert members == {"q_proj": 3, "k_proj": 3, "v_proj": 3, "gate_proj": 2, "up_proj": 2}.get(leaf, 1)
         # a layer alone (o, down: a residual branch) takes its expand as a product of its own
         assert joint_weights.slots({})[index].apart == (members == 1)
-    for joint in joint_weights.joints:  # each group's rank rows padded to 8, the padding zero
+    for joint in joint_weights.joints.values():  # each group's rank rows padded to 8, the padding zero
         members = [m for m, where in zip(modules, joint_weights.layout) if joint_weights.joints[where[0]] is joint]
         rows = sum(m.base_layer.weight.shape[0] for m in members)
         assert joint.shape[0] == rows + -(-3 * len(members) // ROW_ALIGN) * ROW_ALIGN

@@ -92,20 +92,24 @@ class JointWeights:
         self._modules = list(modules)
         self._groups = [list(group) for group in groups] if groups is not None else [[i] for i in
                                                                                        range(len(self._modules))]
-        self.joints: list[torch.Tensor] = []  # one buffer a group formed at the last refresh
+        # One buffer a group formed at the last refresh, by group number. Held in dicts (the biases too): dynamo skips
+        # the tensor guards of a dict's values while the dict is unchanged, and checks a list's on every call.
+        self.joints: dict[int, torch.Tensor] = {}
         # per module: (group, start, rows, h_start) into `joints`, or None; constants of the compiled call
         self.layout: tuple[Optional[tuple[int, int, int, int]], ...] = (None,) * len(self._modules)
         self._members: list[list[int]] = []  # the modules of each buffer
         self._alone: tuple[bool, ...] = (False,) * len(self._modules)  # the only module of its buffer
-        self.biases: list[Optional[torch.Tensor]] = [None] * len(self._modules)  # each base layer's, at the refresh
+        self.biases: dict[int, torch.Tensor] = {}  # by module index, of the base layers with one, at the refresh
+        self._with_bias: tuple[bool, ...] = (False,) * len(self._modules)  # a constant of the compiled call
         self._seen: list[Optional[tuple[torch.Tensor, int]]] = [None] * len(self._modules)  # V copied in, its version
 
     def release(self) -> None:
         """Forget every joint buffer (the weights stay views of them until replaced)."""
-        self.joints, self._members = [], []
+        self.joints, self._members = {}, []
         self.layout = (None,) * len(self._modules)
         self._alone = (False,) * len(self._modules)
-        self.biases = [None] * len(self._modules)  # held no longer than the buffers (a model moved frees them)
+        self.biases = {}  # held no longer than the buffers (a model moved frees them)
+        self._with_bias = (False,) * len(self._modules)
         self._seen = [None] * len(self._modules)
 
     def unjoin(self) -> None:
@@ -119,8 +123,10 @@ class JointWeights:
 
     def slots(self, memo: dict) -> list[Optional[JointSlot]]:
         """Each module's `JointSlot` (None without a buffer), all sharing `memo`."""
-        return [None if where is None else JointSlot(self.joints[where[0]], *where, bias, memo, EXPAND_APART and alone)
-                for where, bias, alone in zip(self.layout, self.biases, self._alone)]
+        joints, biases = self.joints, self.biases
+        return [None if where is None else JointSlot(joints[where[0]], *where, biases[index] if with_bias else None,
+                                                     memo, EXPAND_APART and alone)
+                for index, (where, with_bias, alone) in enumerate(zip(self.layout, self._with_bias, self._alone))]
 
     def _weight(self, index: int) -> Optional[torch.Tensor]:
         return getattr(self._modules[index]._modules.get("base_layer"), "weight", None)
@@ -153,7 +159,9 @@ class JointWeights:
         """Bring every joint buffer up to date with its weights and Vs."""
         weights = [self._weight(index) for index in range(len(self._modules))]
         groups = self._formed_groups(weights)
-        self.biases = [getattr(module._modules.get("base_layer"), "bias", None) for module in self._modules]
+        biases = [getattr(module._modules.get("base_layer"), "bias", None) for module in self._modules]
+        self.biases = {index: bias for index, bias in enumerate(biases) if bias is not None}
+        self._with_bias = tuple(bias is not None for bias in biases)
         # a normal tensor even inside inference mode: the weight is a view of it and autograd may save it later
         with torch.inference_mode(False), torch.no_grad():
             if groups != self._members or not all(
@@ -172,7 +180,7 @@ class JointWeights:
     def _rehome(self, groups: list[list[int]], module_weights: list[Optional[torch.Tensor]]) -> None:
         """New buffers for `groups`: each holds its modules' W, then zeros where the Vᵀ rows go; each weight's data
         becomes its rows (the old storage goes once nothing else holds it: W is never kept twice)."""
-        joints, layout = [], [None] * len(self._modules)
+        joints, layout = {}, [None] * len(self._modules)
         for number, group in enumerate(groups):
             weights = [module_weights[i] for i in group]
             rows = sum(w.shape[0] for w in weights)
@@ -191,7 +199,7 @@ class JointWeights:
                 weight.data = joint[start:start + N]
             # a fixed address: CUDA-graph replays read it in place instead of copying it in before each replay
             torch._dynamo.mark_static_address(joint)
-            joints.append(joint)
+            joints[number] = joint
         self.joints, self.layout, self._members = joints, tuple(layout), groups
         alone = [False] * len(self._modules)
         for group in groups:
