@@ -120,13 +120,23 @@ def test_a_group_whose_layers_take_different_inputs_stays_exact(load_base):
 
 def compiled_linears(model, ids, mask) -> int:
     """generate's compiled step, checked against the full forward; the linear products its graph computes."""
+    return compiled_products(model, ids, mask)[0]
+
+
+def compiled_products(model, ids, mask) -> tuple[int, int]:
+    """generate's compiled step, checked against the full forward; the linear products and the matrix products
+    (`@`) its graph computes."""
+    import operator
+
     from transformers import CompileConfig
 
     expected, expected_logits = full_forward_greedy(model, ids, mask)
     counts = []
 
     def counting(gm, example_inputs, **options):
-        counts.append(sum(node.target in (torch._C._nn.linear, torch.nn.functional.linear) for node in gm.graph.nodes))
+        targets = [node.target for node in gm.graph.nodes if node.op == "call_function"]
+        counts.append((sum(t in (torch._C._nn.linear, torch.nn.functional.linear) for t in targets),
+                       sum(t in (operator.matmul, torch.matmul) for t in targets)))
         return gm.forward
 
     config = CompileConfig(backend=counting, fullgraph=True)
@@ -134,6 +144,25 @@ def compiled_linears(model, ids, mask) -> int:
     tokens, logits = generate(model, ids, mask, cache_implementation="static", compile_config=config)
     assert torch.equal(tokens, expected) and (logits - expected_logits).abs().max().item() < 1e-5
     return counts[-1]
+
+
+def test_the_layers_alone_take_their_expand_as_a_product_of_their_own(load_base):
+    """o and down (a residual branch, whose consumer is the next norm's reduction) expand through `@` U^T; the
+    layers of a group through multiply-adds the compiler fuses into their pointwise consumers."""
+    import bem.modules.joint_weights as joint_weights
+
+    torch._dynamo.reset()
+    model = wrapped(load_base, seed=23)
+    ids, mask = left_padded(seed=24)
+    layers = len(model.bem_module_names) // 7
+    products = compiled_products(model, ids, mask)
+    controller_products = products[1] - 2 * layers
+    try:
+        joint_weights.EXPAND_APART = False  # read as each compiled call is traced
+        torch._dynamo.reset()
+        assert compiled_products(model, ids, mask) == (products[0], controller_products)
+    finally:
+        joint_weights.EXPAND_APART = True
 
 
 def test_turning_the_groups_off_between_generates_rehomes_every_weight(load_base):
