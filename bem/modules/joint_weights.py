@@ -79,7 +79,7 @@ class JointSlot(NamedTuple):
     start: int  # the layer's first output column
     rows: int  # N, its output features
     h_start: int  # its x V columns
-    bias: Optional[torch.Tensor]  # the layer's own (read at the refresh: a compiled call then guards one item)
+    bias: Optional[torch.Tensor]  # the layer's own, from the refresh's dict (a compiled call guards only real ones)
     memo: dict  # group -> (input, product) of this call, shared by every slot of the call
     apart: bool = False  # the expand as a product of its own (a layer alone), else fused into its consumer
 
