@@ -26,6 +26,7 @@ import argparse
 import copy
 import statistics
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -99,7 +100,7 @@ def host_profile(run, tokens: int, device: torch.device) -> dict[str, Any]:
     full = lambda _i: run(tokens)  # noqa: E731
     first = lambda _i: run(1)  # noqa: E731
     (micros_full, calls_full, _), (micros_first, calls_first, _) = host_times(full, device), host_times(first, device)
-    with StackSampler() as sampler:
+    with StackSampler(thread=threading.get_ident()) as sampler:  # generate's thread, not the compile workers'
         for _ in range(3):
             run(tokens)
     total = max(sampler.samples, 1)

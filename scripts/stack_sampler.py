@@ -29,8 +29,9 @@ def _where(frame: FrameType) -> str:
 
 
 class StackSampler:
-    def __init__(self, interval: float = 0.0005) -> None:
+    def __init__(self, interval: float = 0.0005, thread: Optional[int] = None) -> None:
         self.interval = interval
+        self.thread = thread  # sample only this thread (an ident), or every other thread
         self.self_counts: collections.Counter[str] = collections.Counter()
         self.inclusive: collections.Counter[str] = collections.Counter()
         self.samples = 0
@@ -42,7 +43,7 @@ class StackSampler:
         me = threading.get_ident()
         while not self._stop.is_set():
             for ident, frame in sys._current_frames().items():
-                if ident == me or frame is None:
+                if ident == me or frame is None or (self.thread is not None and ident != self.thread):
                     continue
                 seen = set()
                 leaf = _where(frame)
