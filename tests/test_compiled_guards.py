@@ -54,3 +54,31 @@ def test_a_wrapped_linear_adds_few_guards_to_the_compiled_step(load_base):
     # adds its constants' tuple (an equality, its type and its length) and the base layer read through _modules
     # (6 more); with a guard for each constant and each method looked up, it added 12
     assert bem_guards - base_guards <= 7, (base_guards, bem_guards)
+
+
+def _all_leaf_guards(model) -> int:
+    return max(_guards_by_source(model).values())  # the root's count: every leaf guard under it
+
+
+def _llama(layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                                        num_attention_heads=4, num_key_value_heads=2)).eval()
+
+
+def test_each_layer_adds_about_as_many_guards_as_the_bases_layer():
+    """The guards a decoding step checks on the host grow with depth: BEM's per layer (seven wrapped linears, their
+    joint buffers) stay within a few of the base's, so a deep model pays for BEM's fixed few hundred only once."""
+    from bem import HierarchicalBEMConfig, create_hierarchical_bem
+
+    def per_layer(make) -> float:
+        shallow, deep = (_all_leaf_guards(make(_llama(layers))) for layers in (2, 4))
+        return (deep - shallow) / 2
+
+    base = per_layer(lambda model: model)
+    bem = per_layer(lambda model: create_hierarchical_bem(model, HierarchicalBEMConfig(
+        rank=3, alpha=6.0, chunk_size=3, max_prefix_tokens=5, controller_dim=16, attach_qkv=True)).eval())
+    # 91 and 99 when written; a guard for each wrapped linear (a bias read where there is none, a list item) adds 7
+    assert bem - base <= 10, (base, bem)
