@@ -1,6 +1,6 @@
 """How torch.compile treats the joint form's expand, by how it is written: a decoder stack's device time per step.
 
-    python scripts/expand_forms.py [--shapes llama_1b,smollm_135m] [--batch 1,16] [--forms base,fused,mm] [--code DIR]
+    PYTHONPATH=. python scripts/expand_forms.py [--shapes llama_1b,...] [--batch 1,16] [--forms ...] [--code DIR]
 
 generate's compiled step computes each wrapped layer as `z = x [W; Vᵀ]ᵀ` (one GEMM for the layers that share an
 input) and then the expand `out = z[:, rows] + s ((z[:, h] ⊙ c) Uᵀ)`; inductor fuses the expand into whatever
@@ -11,12 +11,13 @@ attention replaced by a pointwise stand-in: q scaled, plus k's and v's means) wi
 events over replays, median of rounds) and, per form, the kernels the profiler sees (compiling takes 10-30 s a
 form and shape):
 
-- `base`: the frozen layers alone (plain `F.linear`, no update): the denominator;
-- `fused`: r multiply-adds written out, as `joint_linear` writes them (fused into the consumer);
-- `reduce`: `((h ⊙ c) U)` as a sum over r of a broadcast product (inductor unrolls a sum of at most 8 terms);
-- `mm`: `(h ⊙ c) @ Uᵀ` (a GEMM of inner size r, an extern call);
+- `base`: the frozen layers alone (each its own `F.linear`, no update): the denominator;
+- `fused`: every expand as r multiply-adds written out (`JointSlot.apart` False), fused into its consumer;
+- `mm`: every expand as `(h ⊙ c) @ Uᵀ` (a GEMM of inner size r, an extern call);
 - `fused-mm`: `fused` for the layers of a group (pointwise consumers), `mm` for the layers alone (o, down: the
-  residual add and the next norm's reduction), as `joint_linear` writes them.
+  residual add and the next norm's reduction): what generate's compiled step does.
+Each BEM form calls `joint_linear` on `JointSlot`s laid out as `JointWeights` lays them out. (Written as a sum
+over r of a broadcast product, the expand becomes the multiply-adds again: inductor unrolls sums of at most 8.)
 `--code DIR` writes inductor's generated code for each form and batch there.
 """
 
@@ -24,38 +25,32 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compiled_decode_breakdown import kernel_times  # noqa: E402
+
+from bem.modules.joint_weights import JointSlot, joint_linear  # noqa: E402
 
 SHAPES = {  # hidden, q heads x head dim, kv heads, FFN, layers
     "llama_1b": (2048, 32, 64, 8, 8192, 16),
     "smollm_135m": (576, 9, 64, 3, 1536, 30),
     "qwen2_1.5b": (1536, 12, 128, 2, 8960, 28),
 }
-FORMS = ("base", "fused", "reduce", "mm", "fused-mm")
+# each BEM form: (`apart` of a group's layers, `apart` of a layer alone)
+APART = {"fused": (False, False), "mm": (True, True), "fused-mm": (False, True)}
+FORMS = ("base", *APART)
 RANK = 8
+SCALING = 2.0
 
 
 def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     variance = x.float().pow(2).mean(-1, keepdim=True)
     return (x.float() * torch.rsqrt(variance + 1e-6)).to(x.dtype) * w
-
-
-def expand(form: str, z: torch.Tensor, start: int, rows: int, h_start: int, codes: torch.Tensor, U: torch.Tensor,
-           scaling: float) -> torch.Tensor:
-    h = z[..., h_start:h_start + RANK] * codes * scaling
-    out = z[..., start:start + rows]
-    if form == "fused":
-        for j in range(RANK):
-            out = out + h[..., j:j + 1] * U[:, j]
-        return out
-    if form == "reduce":
-        return out + (h.unsqueeze(-2) * U).sum(-1)
-    if form == "mm":
-        return out + h @ U.t()
-    raise ValueError(form)
 
 
 class Stack(torch.nn.Module):
@@ -83,56 +78,35 @@ class Stack(torch.nn.Module):
 
     def forward(self, h: torch.Tensor, codes: torch.Tensor, form: str) -> torch.Tensor:
         hidden, nq, nkv, ffn = self.dims
-        s = 2.0
+        grouped, alone = APART.get(form, (False, False))
+        memo: dict = {}  # the groups' products of this call, as generate's compiled step keeps them
         for i, p in enumerate(self.layers):
-            c = codes[i]
-            U = p["U"]
+            c, U = codes[i], p["U"]
+
+            def layer(x, buffer, group, start, rows, h_start, apart, j):
+                """One wrapped layer: the frozen rows of `buffer` alone (base) or `joint_linear` (BEM)."""
+                if form == "base":
+                    return F.linear(x, buffer[start:start + rows])
+                slot = JointSlot(buffer, 4 * i + group, start, rows, h_start, None, memo, apart)
+                return joint_linear(x, slot, c, U[j], SCALING)
+
             a = rms(h, p["n1"])
-            if form == "base":
-                z = F.linear(a, p["qkv"][:nq + 2 * nkv])
-                q, k, v = z[..., :nq], z[..., nq:nq + nkv], z[..., nq + nkv:nq + 2 * nkv]
-            else:
-                z = F.linear(a, p["qkv"])
-                pointwise = "fused" if form == "fused-mm" else form
-                q = expand(pointwise, z, 0, nq, nq + 2 * nkv, c, U[0], s)
-                k = expand(pointwise, z, nq, nkv, nq + 2 * nkv + RANK, c, U[1], s)
-                v = expand(pointwise, z, nq + nkv, nkv, nq + 2 * nkv + 2 * RANK, c, U[2], s)
+            q = layer(a, p["qkv"], 0, 0, nq, nq + 2 * nkv, grouped, 0)
+            k = layer(a, p["qkv"], 0, nq, nkv, nq + 2 * nkv + RANK, grouped, 1)
+            v = layer(a, p["qkv"], 0, nq + nkv, nkv, nq + 2 * nkv + 2 * RANK, grouped, 2)
             attn = q * 0.5 + (k.float().mean(-1, keepdim=True) + v.float().mean(-1, keepdim=True)).to(q.dtype)
-            reduction = "mm" if form == "fused-mm" else form
-            if form == "base":
-                o = F.linear(attn, p["o"][:hidden])
-            else:
-                o = expand(reduction, F.linear(attn, p["o"]), 0, hidden, hidden, c, U[3], s)
-            h = h + o
+            h = h + layer(attn, p["o"], 1, 0, hidden, hidden, alone, 3)
             a = rms(h, p["n2"])
-            if form == "base":
-                z = F.linear(a, p["gu"][:2 * ffn])
-                gate, up = z[..., :ffn], z[..., ffn:2 * ffn]
-            else:
-                z = F.linear(a, p["gu"])
-                pointwise = "fused" if form == "fused-mm" else form
-                gate = expand(pointwise, z, 0, ffn, 2 * ffn, c, U[4], s)
-                up = expand(pointwise, z, ffn, ffn, 2 * ffn + RANK, c, U[5], s)
-            m = F.silu(gate) * up
-            if form == "base":
-                d = F.linear(m, p["d"][:hidden])
-            else:
-                d = expand(reduction, F.linear(m, p["d"]), 0, hidden, hidden, c, U[6], s)
-            h = h + d
+            gate = layer(a, p["gu"], 2, 0, ffn, 2 * ffn, grouped, 4)
+            up = layer(a, p["gu"], 2, ffn, ffn, 2 * ffn + RANK, grouped, 5)
+            h = h + layer(F.silu(gate) * up, p["d"], 3, 0, hidden, hidden, alone, 6)
         return rms(h, self.layers[0]["n1"])
 
 
-def kernels(fn, calls: int = 20) -> list[tuple[str, float, int]]:
-    """(name, device µs per call, launches per call) of the kernels `fn` runs."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    rows = [(e.key, e.device_time_total / calls, e.count // calls) for e in prof.key_averages()
-            if e.device_time_total > 0]
-    return sorted(rows, key=lambda row: -row[1])
+def kernels(fn, device: torch.device, calls: int = 20) -> tuple[dict[str, float], float]:
+    """(device µs per call by kernel name, kernels per call) of `fn`."""
+    _, count, by_name = kernel_times(lambda _index: [fn() for _ in range(calls)], 0, device)
+    return {name: micros / calls for name, micros in by_name.items()}, sum(count.values()) / calls
 
 
 def main() -> None:
@@ -181,17 +155,17 @@ def main() -> None:
             base = statistics.median(times["base"]) if "base" in times else None
             for form in forms:
                 us = statistics.median(times[form])
-                listed = kernels(lambda form=form: steps[form](h, codes))
-                table.append((name, batch, form, us, us / base if base else float("nan"),
-                              sum(n for _, _, n in listed)))
-                print(f"{name} b{batch} {form}: {us:.1f} µs a call, x{table[-1][4]:.3f}, {table[-1][5]} kernels", flush=True)
-                for kernel, micros, count in listed[:12]:
-                    print(f"    {micros:8.1f} µs {count:4d}x  {kernel[:110]}")
+                by_name, launches = kernels(lambda form=form: steps[form](h, codes), device)
+                table.append((name, batch, form, us, us / base if base else float("nan"), launches))
+                print(f"{name} b{batch} {form}: {us:.1f} µs a call, x{table[-1][4]:.3f}, {launches:.0f} kernels",
+                      flush=True)
+                for kernel, micros in sorted(by_name.items(), key=lambda item: -item[1])[:12]:
+                    print(f"    {micros:8.1f} µs  {kernel[:110]}")
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; device µs a call of the compiled stack "
           f"(CUDA graphs), median of {args.rounds} rounds of 50")
     print(f"{'shape':<14}{'batch':>6}  {'form':<16}{'µs':>9}{'x base':>8}{'kernels':>9}")
     for name, batch, form, us, ratio, count in table:
-        print(f"{name:<14}{batch:>6}  {form:<16}{us:>9.1f}{ratio:>8.3f}{count:>9}")
+        print(f"{name:<14}{batch:>6}  {form:<16}{us:>9.1f}{ratio:>8.3f}{count:>9.0f}")
 
 
 if __name__ == "__main__":

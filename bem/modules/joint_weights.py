@@ -88,29 +88,30 @@ class JointWeights:
     """The joint buffers of `modules` (each a `BEMLinear`) in `groups` (lists of module indices; default: each
     module alone). A module that cannot take the form, or whose group differs in K, dtype or device, has none."""
 
+    # One buffer a group formed at the last refresh, by group number. Held in dicts (the biases too): dynamo skips
+    # the tensor guards of a dict's values while the dict is unchanged, and checks a list's on every call.
+    joints: dict[int, torch.Tensor]
+    # per module: (group, start, rows, h_start) into `joints`, or None; constants of the compiled call
+    layout: tuple[Optional[tuple[int, int, int, int]], ...]
+    _members: list[list[int]]  # the modules of each buffer
+    _alone: tuple[bool, ...]  # per module: the only module of its buffer
+    biases: dict[int, torch.Tensor]  # by module index, of the base layers with one, at the refresh
+    _with_bias: tuple[bool, ...]  # per module: whether `biases` holds its own (a constant of the compiled call)
+    _seen: list[Optional[tuple[torch.Tensor, int]]]  # per module: the V copied in, and its version
+
     def __init__(self, modules: Sequence[nn.Module], groups: Optional[Sequence[Sequence[int]]] = None) -> None:
         self._modules = list(modules)
         self._groups = [list(group) for group in groups] if groups is not None else [[i] for i in
                                                                                        range(len(self._modules))]
-        # One buffer a group formed at the last refresh, by group number. Held in dicts (the biases too): dynamo skips
-        # the tensor guards of a dict's values while the dict is unchanged, and checks a list's on every call.
-        self.joints: dict[int, torch.Tensor] = {}
-        # per module: (group, start, rows, h_start) into `joints`, or None; constants of the compiled call
-        self.layout: tuple[Optional[tuple[int, int, int, int]], ...] = (None,) * len(self._modules)
-        self._members: list[list[int]] = []  # the modules of each buffer
-        self._alone: tuple[bool, ...] = (False,) * len(self._modules)  # the only module of its buffer
-        self.biases: dict[int, torch.Tensor] = {}  # by module index, of the base layers with one, at the refresh
-        self._with_bias: tuple[bool, ...] = (False,) * len(self._modules)  # a constant of the compiled call
-        self._seen: list[Optional[tuple[torch.Tensor, int]]] = [None] * len(self._modules)  # V copied in, its version
+        self.release()
 
     def release(self) -> None:
-        """Forget every joint buffer (the weights stay views of them until replaced)."""
-        self.joints, self._members = {}, []
-        self.layout = (None,) * len(self._modules)
-        self._alone = (False,) * len(self._modules)
-        self.biases = {}  # held no longer than the buffers (a model moved frees them)
-        self._with_bias = (False,) * len(self._modules)
-        self._seen = [None] * len(self._modules)
+        """Forget every joint buffer (the weights stay views of them until replaced) and the biases with them (a
+        model moved frees them)."""
+        none = (None,) * len(self._modules)
+        self.joints, self.layout, self._members, self.biases = {}, none, [], {}
+        self._alone = self._with_bias = (False,) * len(self._modules)
+        self._seen = list(none)
 
     def unjoin(self) -> None:
         """Give each weight still in a joint buffer a storage of its own size back, and forget the buffers."""
@@ -201,11 +202,8 @@ class JointWeights:
             torch._dynamo.mark_static_address(joint)
             joints[number] = joint
         self.joints, self.layout, self._members = joints, tuple(layout), groups
-        alone = [False] * len(self._modules)
-        for group in groups:
-            if len(group) == 1:
-                alone[group[0]] = True
-        self._alone = tuple(alone)
+        alone = {group[0] for group in groups if len(group) == 1}
+        self._alone = tuple(index in alone for index in range(len(self._modules)))
         self._seen = [None] * len(self._modules)
 
 
